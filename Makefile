@@ -1,0 +1,29 @@
+# Quick start: `make demo` (set up + dvc repro on the demo dataset), `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install demo test lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "error: Python >= 3.11 is needed; run e.g. 'make PYTHON=python3.11 $(MAKECMDGOALS)'"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+demo: install
+	dvc repro
+
+test: install
+	pytest
+
+lint: install
+	ruff check flows features models tests benchmarks

@@ -1,0 +1,59 @@
+"""Typed, strict config sections and readable validation errors.
+
+Every section of ``params.yaml`` is a :class:`Section`: unknown keys and wrong types are
+rejected, and :func:`format_errors` turns pydantic's report into one line per problem that
+names the full key path (``models.mvvse.lamda: unknown key, did you mean lambda_``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Section(BaseModel):
+    """Base of every config section: frozen, no extra keys, no silent type coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ConfigError(ValueError):
+    """A config file failed validation; the message lists every problem by key path."""
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names (aliases included) of the section at ``loc``, for did-you-mean hints."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        inner = getattr(field, "annotation", None) if field else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return []
+        model = inner
+    names = []
+    for name, field in model.model_fields.items():
+        names.append(name)
+        if field.alias:
+            names.append(field.alias)
+    return names
+
+
+def format_errors(error: ValidationError, model: type[BaseModel], source: str) -> str:
+    """One line per problem: ``<source>: <key.path>: <what is wrong>``."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(item["loc"])
+        path = ".".join(str(part) for part in loc) or "<root>"
+        if item["type"] == "extra_forbidden":
+            known = _known_keys(model, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
+            message = "unknown key" + (f", did you mean {hint[0]}" if hint else "")
+            if known and not hint:
+                message += f" (known keys: {', '.join(sorted(known))})"
+        elif item["type"] == "missing":
+            message = "missing key"
+        else:
+            message = f"{item['msg']} (got {item.get('input')!r})"
+        lines.append(f"{source}: {path}: {message}")
+    return "\n".join(lines)
