@@ -26,4 +26,4 @@ test: install
 	pytest
 
 lint: install
-	ruff check flows features models tests benchmarks
+	ruff check flows features models tests

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -149,7 +149,8 @@ class Caption:
 
     @property
     def raw(self) -> str:
-        return "".join(w + (" " if s else "") for w, s in zip(self.words, self.spaces)).strip()
+        pairs = zip(self.words, self.spaces, strict=True)
+        return "".join(w + (" " if s else "") for w, s in pairs).strip()
 
     def to_json(self) -> dict:
         spaces = list(self.spaces)
@@ -208,7 +209,7 @@ def _noun_phrase(
     cap.attach(d, n, "det")
     object_id = len(cap.objects)
     cap.objects.append(noun)
-    for a, word in zip(adj_ids, adjectives):
+    for a, word in zip(adj_ids, adjectives, strict=True):
         cap.attach(a, n, "amod")
         cap.attributes.append((object_id, word))
     return n
@@ -260,7 +261,7 @@ def _background(cap: Caption, rng: np.random.Generator, head: int, texture: str,
 
 
 def _list_of_objects(cap: Caption, rng: np.random.Generator, objects) -> int:
-    """``A, B and C``: the first conjunct heads the list, each next conjunct hangs on the previous."""
+    """``A, B and C``: the first conjunct heads the list; each conjunct hangs on the previous."""
     heads = []
     for k, obj in enumerate(objects):
         if k > 0:
@@ -406,7 +407,7 @@ def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, fl
         raise ValueError(f"not a polygon shape: {shape}")
     return [
         (cx + rad * math.cos(math.radians(a)), cy - rad * math.sin(math.radians(a)))
-        for a, rad in zip(angles, radii)
+        for a, rad in zip(angles, radii, strict=True)
     ]
 
 
@@ -435,7 +436,9 @@ def _background_image(rng: np.random.Generator, texture: str, size: int) -> np.n
 def _outline(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
     """Polygon outline of a shape; a circle is approximated by 64 vertices (only for its box)."""
     if shape == "circle":
-        return [(cx + r * math.cos(t), cy + r * math.sin(t)) for t in np.linspace(0, 2 * math.pi, 65)]
+        return [
+            (cx + r * math.cos(t), cy + r * math.sin(t)) for t in np.linspace(0, 2 * math.pi, 65)
+        ]
     return _polygon(shape, cx, cy, r)
 
 
@@ -458,10 +461,12 @@ def _place_objects(rng: np.random.Generator, cfg: DemoConfig):
             for _attempt in range(100):
                 cx, cy = rng.uniform(r + 2, cfg.image_size - r - 2, size=2)
                 outline = _outline(shape, cx, cy, r)
-                xs, ys = zip(*outline)
+                xs, ys = zip(*outline, strict=True)
                 box = (min(xs), min(ys), max(xs), max(ys))
                 if all(_gap(box, o.box) > 3 * scale for o in objects):
-                    objects.append(DemoObject(shape, color, size, tuple(round(float(v), 2) for v in box)))
+                    objects.append(
+                        DemoObject(shape, color, size, tuple(round(float(v), 2) for v in box))
+                    )
                     outlines.append(outline)
                     break
             else:
@@ -481,7 +486,7 @@ def render(rng: np.random.Generator, cfg: DemoConfig) -> tuple[Image.Image, list
     image = Image.fromarray(_background_image(rng, texture, cfg.image_size))
     objects, outlines = _place_objects(rng, cfg)
     draw = ImageDraw.Draw(image)
-    for obj, outline in zip(objects, outlines):
+    for obj, outline in zip(objects, outlines, strict=True):
         if obj.shape == "circle":
             draw.ellipse(obj.box, fill=COLORS[obj.color])
         else:
@@ -499,7 +504,7 @@ def class_of(objects: list[DemoObject]) -> int:
 
 
 def generate_image(cfg: DemoConfig, split: str, index: int) -> tuple[Image.Image, dict]:
-    """One image and its Karpathy-style record (without ids), from the stream (seed, split, index)."""
+    """One image and its Karpathy-style record (no ids yet), from the stream (seed, split, i)."""
     rng = np.random.default_rng([cfg.seed, SPLITS.index(split), index])
     image, objects, texture = render(rng, cfg)
     captions = write_captions(rng, objects, texture, cfg.captions_per_image)
@@ -518,7 +523,7 @@ def generate_image(cfg: DemoConfig, split: str, index: int) -> tuple[Image.Image
 
 
 def iter_items(cfg: DemoConfig) -> Iterator[tuple[str, int]]:
-    for split, n in zip(SPLITS, (cfg.n_train, cfg.n_val, cfg.n_test)):
+    for split, n in zip(SPLITS, (cfg.n_train, cfg.n_val, cfg.n_test), strict=True):
         for index in range(n):
             yield split, index
 
@@ -538,7 +543,7 @@ def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
         image.save(images_dir / record["filename"], optimize=False, compress_level=6)
         record["imgid"] = imgid
         record["sentids"] = list(range(sentid, sentid + len(record["sentences"])))
-        for sentence, sid in zip(record["sentences"], record["sentids"]):
+        for sentence, sid in zip(record["sentences"], record["sentids"], strict=True):
             sentence.update(imgid=imgid, sentid=sid)
         sentid += len(record["sentences"])
         records.append(record)

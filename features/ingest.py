@@ -24,9 +24,10 @@ import json
 import os
 import posixpath
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,6 +37,7 @@ from features.config import Section
 
 MANIFEST_SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")
+KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
 # Reasons that drop a record or a caption (they count towards max_error_fraction) ...
 ERRORS = (
@@ -103,6 +105,9 @@ class Report:
     captions_kept: int = 0
     errors: list[Issue] = field(default_factory=list)
     warnings: list[Issue] = field(default_factory=list)
+
+    def error(self, key: str, reason: str, detail: str) -> None:
+        self.errors.append(Issue(key, reason, detail))
 
     @property
     def records_with_errors(self) -> int:
@@ -275,39 +280,45 @@ def validate(
     seen: dict[str, str] = {}
     records = progress(dataset.records) if progress else dataset.records
     for record in records:
-        def error(reason: str, detail: str) -> None:
-            report.errors.append(Issue(record.key, reason, detail))
-
+        key = record.key
         if record.problem:
-            error("malformed_record", record.problem)
+            report.error(key, "malformed_record", record.problem)
             continue
-        if record.key in seen:
-            error("duplicate_key", f"{record.path} has the same key as {seen[record.key]}")
+        if key in seen:
+            report.error(key, "duplicate_key", f"{record.path} has the same key as {seen[key]}")
             continue
-        seen[record.key] = record.path
+        seen[key] = record.path
         record.path, reason, detail = check_path(images_root, record.path)
         if reason:
-            error(reason, detail)
-        if record.split not in SPLITS:
-            error("unknown_split", f"split {record.split!r} is not one of {', '.join(SPLITS)}")
+            report.error(key, reason, detail)
+        if record.split not in KARPATHY_SPLITS:
+            report.error(
+                key,
+                "unknown_split",
+                f"split {record.split!r} is not one of {', '.join(SPLITS)}",
+            )
         captions = []
         for i, caption in enumerate(record.captions):
             if not isinstance(caption, str):
-                error("malformed_record", f"caption {i} is {type(caption).__name__}, not text")
+                report.error(
+                    key,
+                    "malformed_record",
+                    f"caption {i} is {type(caption).__name__}, not text",
+                )
             elif not _is_utf8(caption):
-                error("non_utf8_text", f"caption {i} is not valid UTF-8: {caption!r}")
+                report.error(key, "non_utf8_text", f"caption {i} is not valid UTF-8: {caption!r}")
             elif not caption.strip():
-                error("empty_caption", f"caption {i} is empty or whitespace")
+                report.error(key, "empty_caption", f"caption {i} is empty or whitespace")
             else:
                 captions.append(caption.strip())
         if not captions:
-            error("no_captions", "no usable caption left")
-        if reason or record.split not in SPLITS or not captions:
+            report.error(key, "no_captions", "no usable caption left")
+        if reason or record.split not in KARPATHY_SPLITS or not captions:
             continue  # the record cannot be used; its errors are reported above
         if len(captions) != captions_per_image:
             report.warnings.append(
                 Issue(
-                    record.key,
+                    key,
                     "caption_count",
                     f"{len(captions)} captions, expected {captions_per_image} (kept)",
                 )
@@ -414,4 +425,4 @@ def write_errors(report: Report, path: Path) -> None:
 
 def split_counts(records: list[Record]) -> dict[str, int]:
     counts = Counter(r.split for r in records)
-    return {s: counts.get(s, 0) for s in SPLITS}
+    return {s: counts[s] for s in KARPATHY_SPLITS if s in SPLITS or counts[s]}

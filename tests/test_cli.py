@@ -1,0 +1,30 @@
+"""The installed `vse` console script: --help works on every (sub)command."""
+
+import argparse
+import subprocess
+
+from flows.cli import build_parser
+
+
+def command_paths(parser: argparse.ArgumentParser, prefix=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + (name,)
+                yield from command_paths(sub, prefix + (name,))
+
+
+def test_every_subcommand_has_help():
+    paths = list(command_paths(build_parser()))
+    assert {("demo-data",), ("prepare",), ("params",)} <= set(paths)
+    for path in [(), *paths]:
+        result = subprocess.run(["vse", *path, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0, (path, result.stderr)
+        assert "usage: vse" in result.stdout
+
+
+def test_params_command_prints_effective_config(repo_root):
+    result = subprocess.run(
+        ["vse", "params"], capture_output=True, text=True, cwd=repo_root, check=True
+    )
+    assert "max_error_fraction: 0.01" in result.stdout

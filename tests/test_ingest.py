@@ -1,0 +1,276 @@
+"""Ingestion: readers for Karpathy JSON, UPMC Food-101 and the demo; validation; manifest."""
+
+import csv
+import json
+import subprocess
+
+import pyarrow as pa
+import pytest
+
+from features.demo import DemoConfig, build_dataset
+from features.ingest import (
+    MANIFEST_COLUMNS,
+    READERS,
+    IngestError,
+    PrepareConfig,
+    check_path,
+    read_manifest,
+    validate,
+    write_manifest,
+)
+from flows.cli import main
+
+FIVE = ["a dog runs.", "a brown dog.", "dog on grass.", "the dog plays.", "an animal."]
+
+
+def touch(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG fake")
+
+
+def sentences(raws):
+    return [{"raw": r, "tokens": r.split()} for r in raws]
+
+
+@pytest.fixture
+def karpathy(tmp_path):
+    """A Flickr/COCO-style Karpathy JSON with one of each problem, and its images."""
+    images = tmp_path / "images"
+    entries = [  # (filepath, filename, split, captions)
+        ("", "good.jpg", "train", FIVE),
+        ("val2014", "COCO_val2014_01.jpg", "val", FIVE),  # COCO layout: filepath + filename
+        ("", "rest.jpg", "restval", FIVE),
+        ("", "test1.jpg", "test", FIVE),
+        ("", "missing.jpg", "train", FIVE),
+        ("", "emptycap.jpg", "train", FIVE[:4] + ["   "]),
+        ("", "six.jpg", "train", FIVE + ["one more."]),
+        ("..", "escape.jpg", "train", FIVE),  # exists, but outside the images root
+        ("", "good.jpg", "val", FIVE),  # duplicate key
+        ("", "adir.jpg", "train", FIVE),  # a directory, not a file
+        ("", "weird.jpg", "dev", FIVE),
+        ("", "allempty.jpg", "train", ["", " "]),
+    ]
+    data = {"dataset": "flickr30k", "images": []}
+    for i, (filepath, filename, split, raws) in enumerate(entries):
+        data["images"].append(
+            {
+                "filepath": filepath,
+                "filename": filename,
+                "split": split,
+                "imgid": i,
+                "sentences": sentences(raws),
+            }
+        )
+        if filename not in ("missing.jpg", "adir.jpg"):
+            touch(images / filepath / filename)
+    (images / "adir.jpg").mkdir()
+    # one caption with bytes that are not UTF-8, written into the JSON as raw bytes
+    data["images"].append(
+        {
+            "filename": "latin1.jpg",
+            "split": "train",
+            "sentences": sentences(FIVE[:4] + ["CAF_MARKER"]),
+        }
+    )
+    touch(images / "latin1.jpg")
+    raw = json.dumps(data).encode().replace(b"CAF_MARKER", b"caf\xe9 au lait")
+    (tmp_path / "dataset_flickr30k.json").write_bytes(raw)
+    return tmp_path / "dataset_flickr30k.json", images
+
+
+def run_reader(fmt, annotations, images, **cfg):
+    cfg = PrepareConfig(format=fmt, **cfg)
+    dataset = READERS[fmt](annotations, images, cfg)
+    return dataset, *validate(dataset, images, cfg.captions_per_image)
+
+
+def test_karpathy_reader_validates_every_problem(karpathy):
+    dataset, records, report = run_reader("karpathy", *karpathy)
+    kept = {r.key: r for r in records}
+    assert set(kept) == {"good", "COCO_val2014_01", "rest", "test1", "emptycap", "six", "latin1"}
+    assert kept["COCO_val2014_01"].path == "val2014/COCO_val2014_01.jpg"
+    assert kept["rest"].split == "train"  # restval merged into train by default
+    assert kept["good"].split == "train"  # the first of two duplicates wins
+    assert kept["emptycap"].captions == FIVE[:4]
+    assert len(kept["six"].captions) == 6 and kept["latin1"].captions == FIVE[:4]
+    counts = report.counts()
+    assert counts == {
+        "malformed_record": 0,
+        "missing_image": 1,
+        "unreadable_path": 1,
+        "path_escapes_root": 1,
+        "duplicate_key": 1,
+        "unknown_split": 1,
+        "empty_caption": 3,
+        "non_utf8_text": 1,
+        "no_captions": 1,
+        "caption_count": 3,
+    }
+    assert report.records_read == 13 and report.records_kept == 7
+    assert report.records_with_errors == 8
+    reasons = {(i.key, i.reason) for i in report.errors}
+    assert ("missing", "missing_image") in reasons and ("latin1", "non_utf8_text") in reasons
+    assert ("escape", "path_escapes_root") in reasons and ("weird", "unknown_split") in reasons
+
+
+def test_restval_can_be_kept(karpathy):
+    _, records, _ = run_reader("karpathy", *karpathy, restval="keep")
+    assert {r.key: r.split for r in records}["rest"] == "restval"
+
+
+def test_path_checks(tmp_path):
+    touch(tmp_path / "a" / "x.jpg")
+    assert check_path(tmp_path, "a/./x.jpg") == ("a/x.jpg", None, "")
+    assert check_path(tmp_path, "a/../a/x.jpg")[1] is None  # stays inside: fine
+    assert check_path(tmp_path, "a/../../x.jpg")[1] == "path_escapes_root"
+    assert check_path(tmp_path, "/etc/passwd")[1] == "path_escapes_root"
+    assert check_path(tmp_path, "")[1] == "unreadable_path"
+    assert check_path(tmp_path, "a")[1] == "unreadable_path"
+    (tmp_path / "link.jpg").symlink_to(tmp_path / "a" / "x.jpg")  # DVC symlink caches
+    assert check_path(tmp_path, "link.jpg")[1] is None
+
+
+def test_not_a_karpathy_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"annotations": []}')
+    with pytest.raises(IngestError, match="no top-level 'images' list"):
+        READERS["karpathy"](bad, tmp_path, PrepareConfig())
+    bad.write_text("{oops")
+    with pytest.raises(IngestError, match="not valid JSON"):
+        READERS["karpathy"](bad, tmp_path, PrepareConfig())
+
+
+@pytest.fixture
+def food101(tmp_path):
+    images, texts = tmp_path / "images", tmp_path / "texts"
+    texts.mkdir()
+    rows = {"train": [], "test": []}
+    for split in rows:
+        for cls in ("pizza", "apple_pie", "sushi"):
+            for i in range(10):
+                name = f"{cls}_{split}_{i}.jpg"
+                touch(images / split / cls / name)
+                rows[split].append([name, f"best {cls} recipe number {i}", cls])
+    rows["train"].append(["ghost.jpg", "a missing picture", "pizza"])
+    rows["test"].append(["pizza_test_0.jpg", "again", "pizza"])  # duplicate key
+    for split, split_rows in rows.items():
+        with open(texts / f"{split}_titles.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            if split == "train":
+                writer.writerow(["image name", "text", "class"])
+            writer.writerows(split_rows)
+    with open(texts / "train_titles.csv", "ab") as f:
+        f.write(b'sushi_train_0b.jpg,"sushi \xff\xfe",sushi\n')
+    touch(images / "train" / "sushi" / "sushi_train_0b.jpg")
+    return texts, images
+
+
+def test_food101_reader(food101):
+    dataset, records, report = run_reader(
+        "food101", *food101, captions_per_image=1, val_fraction=0.3
+    )
+    assert dataset.class_names == ["apple_pie", "pizza", "sushi"]
+    by_key = {r.key: r for r in records}
+    assert by_key["pizza_test_3"].path == "test/pizza/pizza_test_3.jpg"
+    assert by_key["pizza_test_3"].label == 1 and by_key["pizza_test_3"].split == "test"
+    assert by_key["sushi_train_2"].captions == ["best sushi recipe number 2"]
+    splits = [r.split for r in records]
+    assert splits.count("test") == 30 and 0 < splits.count("val") < 20
+    assert splits.count("train") + splits.count("val") == 30
+    counts = report.counts()
+    assert counts["missing_image"] == 1 and counts["duplicate_key"] == 1
+    assert counts["non_utf8_text"] == 1 and counts["no_captions"] == 1
+    # the val hold-out depends on the key and seed only, not on row order
+    _, again, _ = run_reader("food101", *food101, captions_per_image=1, val_fraction=0.3)
+    assert [r.split for r in again] == splits
+
+
+def test_demo_dataset_reads_labels_and_boxes(tmp_path):
+    build_dataset(DemoConfig(n_train=3, n_val=2, n_test=2), tmp_path)
+    dataset, records, report = run_reader("demo", tmp_path / "dataset.json", tmp_path / "images")
+    assert report.errors == [] and report.warnings == [] and len(records) == 7
+    assert dataset.name == "demo" and len(dataset.class_names) == 6
+    assert all(r.label is not None and len(r.boxes) == len(r.box_names) >= 2 for r in records)
+
+
+def test_manifest_round_trip_and_digest(tmp_path, karpathy):
+    build_dataset(DemoConfig(n_train=3, n_val=2, n_test=2), tmp_path / "demo")
+    dataset, records, _ = run_reader(
+        "demo", tmp_path / "demo/dataset.json", tmp_path / "demo/images"
+    )
+    meta = write_manifest(records, dataset, 5, tmp_path / "m.parquet")
+    manifest = read_manifest(tmp_path / "m.parquet")
+    assert manifest.table.column_names == MANIFEST_COLUMNS and len(manifest) == 7
+    assert manifest.digest == meta["digest"] and manifest.class_names == dataset.class_names
+    row = manifest.table.slice(0, 1).to_pylist()[0]
+    assert row["key"] == "train_00000" and len(row["captions"]) == 5
+    assert row["boxes"][0] == pytest.approx(records[0].boxes[0])
+    assert manifest.table.schema.field("boxes").type == pa.list_(pa.list_(pa.float32(), 4))
+    assert len(manifest.split("val")) == 2
+    # the digest follows the content
+    records[0].captions = records[0].captions[:4]
+    assert write_manifest(records, dataset, 5, tmp_path / "m2.parquet")["digest"] != meta["digest"]
+    # Karpathy rows have no label or boxes: nulls, not fake values
+    k_dataset, k_records, _ = run_reader("karpathy", *karpathy)
+    write_manifest(k_records, k_dataset, 5, tmp_path / "k.parquet")
+    k_row = read_manifest(tmp_path / "k.parquet").table.to_pylist()[0]
+    assert k_row["label"] is None and k_row["boxes"] is None
+
+
+def test_read_manifest_errors(tmp_path):
+    with pytest.raises(IngestError, match="run `vse prepare` first"):
+        read_manifest(tmp_path / "none.parquet")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(IngestError, match="not a vse manifest"):
+        read_manifest(tmp_path / "other.parquet")
+
+
+def prepare_cli(tmp_path, karpathy, max_error_fraction):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"prepare:\n  format: karpathy\n  max_error_fraction: {max_error_fraction}\n")
+    annotations, images = karpathy
+    out = tmp_path / "out"
+    args = [
+        "--params",
+        str(params),
+        "prepare",
+        "--annotations",
+        str(annotations),
+        "--images",
+        str(images),
+        "--out",
+        str(out / "manifest.parquet"),
+        "--errors",
+        str(out / "errors.csv"),
+        "--metrics",
+        str(out / "metrics.json"),
+    ]
+    return out, args
+
+
+def test_prepare_cli_reports_and_finishes(tmp_path, karpathy):
+    out, args = prepare_cli(tmp_path, karpathy, 0.7)
+    result = subprocess.run(["vse", *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "read 13 records, kept 7" in result.stdout
+    assert "missing_image 1" in result.stdout and "empty_caption 3" in result.stdout
+    assert read_manifest(out / "manifest.parquet").table.num_rows == 7
+    with open(out / "errors.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["key"], r["severity"], r["reason"]) for r in rows} >= {
+        ("missing", "error", "missing_image"),
+        ("six", "warning", "caption_count"),
+    }
+    assert sum(r["severity"] == "warning" for r in rows) == 3
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["records_kept"] == 7 and metrics["counts"]["duplicate_key"] == 1
+
+
+def test_prepare_cli_fails_over_the_error_threshold(tmp_path, karpathy, capsys):
+    out, args = prepare_cli(tmp_path, karpathy, 0)
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "8 of 13 records" in err and str(out / "errors.csv") in err
+    assert (out / "errors.csv").exists() and not (out / "manifest.parquet").exists()

@@ -1,0 +1,54 @@
+"""The DVC pipeline end to end, in a copy of the repository with a tiny demo."""
+
+import shutil
+import subprocess
+
+import pytest
+
+SMALL = """\
+demo:
+  n_train: 12
+  n_val: 4
+  n_test: 4
+prepare:
+  format: demo
+"""
+
+
+def run(cmd, cwd, check=True):
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and result.returncode:
+        raise AssertionError(f"{cmd} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture
+def project(tmp_path, repo_root):
+    """The repository's files (tracked or not ignored) copied into a new git repo."""
+    files = run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], repo_root)
+    for rel in files.stdout.splitlines():
+        if (repo_root / rel).is_file():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo_root / rel, tmp_path / rel)
+    run(["git", "init", "-q"], tmp_path)
+    (tmp_path / "params.yaml").write_text(SMALL)
+    return tmp_path
+
+
+def test_repro_builds_the_manifest_then_does_nothing(project):
+    first = run(["dvc", "repro"], project)
+    assert "Running stage 'demo-data'" in first.stdout
+    assert "Running stage 'prepare'" in first.stdout
+    assert (project / "data/prepared/manifest.parquet").is_file()
+    assert "read 20 records, kept 20" in first.stdout
+    second = run(["dvc", "repro"], project)
+    assert "Running stage" not in second.stdout
+    assert "Data and pipelines are up to date" in second.stdout
+
+
+def test_broken_params_fail_before_any_work(project):
+    (project / "params.yaml").write_text(SMALL.replace("n_train", "n_trian"))
+    result = run(["dvc", "repro"], project, check=False)
+    assert result.returncode != 0
+    assert "demo.n_trian: unknown key, did you mean n_train" in result.stdout + result.stderr
+    assert not (project / "data/demo/images").exists()
