@@ -1,5 +1,6 @@
 """The DVC pipeline end to end, in a copy of the repository with a tiny demo."""
 
+import json
 import shutil
 import subprocess
 
@@ -52,3 +53,18 @@ def test_broken_params_fail_before_any_work(project):
     assert result.returncode != 0
     assert "demo.n_trian: unknown key, did you mean n_train" in result.stdout + result.stderr
     assert not (project / "data/demo/images").exists()
+
+
+def test_committed_lock_matches_the_code(project):
+    """dvc.lock must be regenerated (dvc repro) and committed whenever stage code changes,
+    or a new user's first `make demo` leaves dvc.lock modified."""
+    status = json.loads(run(["dvc", "status", "--json"], project).stdout)
+    stale = [
+        (stage, change)
+        for stage, changes in status.items()
+        for change in changes
+        if isinstance(change, dict)
+        for path, state in change.get("changed deps", {}).items()
+        if path.endswith(".py") and state == "modified"
+    ]
+    assert not stale, f"dvc.lock is stale for {stale}: run `dvc repro` and commit dvc.lock"
