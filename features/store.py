@@ -1,0 +1,693 @@
+"""The feature store: fingerprinted, crash-safe Zarr v3 groups. The only code that knows
+their on-disk layout (WebDataset shards are in :mod:`features.shards`).
+
+Layout of a store (a Zarr v3 group, readable with plain ``zarr.open_group``)::
+
+    regions.zarr/
+      zarr.json          group attributes under "vse": schema version, kind, fingerprint,
+                         inputs (extractor, version, params, weights and manifest digests),
+                         fields, layout, creation time; counts once complete
+      keys/              (N,) str      sample keys (image keys, or caption keys `<image>#<i>`)
+      <field>/           (N, ...)      a dense field, e.g. regions: features (N,R,D) f16,
+                                       boxes (N,R,4) f32, n_regions (N,), image_hw (N,2)
+      <field>/ + <field>_offsets/      a ragged field: rows of all samples back to back
+                                       (rows, ...) and the row where each sample starts (N,)
+      _commits/          (n_shards,) str, one file per shard: the commit marker of shard k,
+                         JSON with its sample range, ragged row range and file checksums
+
+Dense fields are chunked along the sample axis (``samples_per_chunk``) inside Zarr shards
+of ``samples_per_shard`` samples (the sharding codec: few, large files, since DVC hashes
+every file of a directory output). The writer commits whole shards: it writes the data,
+then the marker, each file by atomic rename (Zarr's local store writes a temp file and
+renames it). A reader trusts only committed shards, so it never sees a half-written one; a
+rerun after a crash rewrites every uncommitted shard and ends bitwise identical to an
+uninterrupted run. One writer at a time: ``<store>/.lock`` is held with ``flock``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+from pydantic import Field as PydanticField
+
+from features.config import Section
+
+SCHEMA_VERSION = 1
+COMMITS = "_commits"
+LOCK = ".lock"
+RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
+
+
+class StoreConfig(Section):
+    """``store`` section of params.yaml: the on-disk layout of new stores."""
+
+    samples_per_shard: int = PydanticField(256, ge=1)
+    samples_per_chunk: int = PydanticField(64, ge=1)
+    compression: Literal["none", "zstd"] = "none"
+
+
+class StoreError(RuntimeError):
+    """A store is missing, locked, incomplete, corrupt or does not match what was asked."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One array of a store: per-sample shape (per-row shape if ``ragged``) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    ragged: bool = False
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What made a store; its hash is the store's fingerprint."""
+
+    extractor: str
+    version: str
+    params: Mapping[str, Any]
+    weights_digest: str | None
+    manifest_digest: str
+
+    def fingerprint(self, kind: str, fields: Mapping[str, FieldSpec]) -> str:
+        payload = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": kind,
+            "fields": {k: asdict(v) for k, v in sorted(fields.items())},
+            **asdict(self),
+        }
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# Field sets of the store kinds that extractors write. Shapes are per sample.
+def regions_fields(max_regions: int, dim: int, *, boxes: bool = True) -> dict[str, FieldSpec]:
+    fields = {
+        "features": FieldSpec((max_regions, dim), "float16"),
+        "n_regions": FieldSpec((), "int32"),
+        "image_hw": FieldSpec((2,), "int32"),
+    }
+    if boxes:
+        fields["boxes"] = FieldSpec((max_regions, 4), "float32")
+    return fields
+
+
+def ragged_fields(dim: int, name: str = "features", dtype: str = "float16") -> dict:
+    return {name: FieldSpec((dim,), dtype, ragged=True)}
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _chunk_key(field_name: str, index: int, ndim: int) -> str:
+    """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group."""
+    return "/".join([field_name, "c", str(index)] + ["0"] * (ndim - 1))
+
+
+def _codecs(cfg: StoreConfig) -> dict:
+    """Compression, and every chunk written even if all zeros: a fixed set of files."""
+    compressors = zarr.codecs.ZstdCodec(level=1) if cfg.compression == "zstd" else None
+    return {"compressors": compressors, "config": {"write_empty_chunks": True}}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class StoreWriter:
+    """Create or resume a store and commit it shard by shard.
+
+    ``keys`` fixes the samples and their order up front (from the manifest). Dense shards
+    can be committed in any order; a store with ragged fields commits in order, because
+    a shard's rows start where the previous shard's end. Use as a context manager::
+
+        with StoreWriter(path, "regions", fields, keys, provenance, cfg) as writer:
+            for shard in writer.pending_shards():
+                start, stop = writer.shard_range(shard)
+                writer.write_shard(shard, {"features": ..., ...})
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        kind: str,
+        fields: Mapping[str, FieldSpec],
+        keys: Sequence[str],
+        provenance: Provenance,
+        cfg: StoreConfig = StoreConfig(),
+        log=print,
+    ):
+        self.path = Path(path)
+        self.kind = kind
+        self.fields = dict(fields)
+        self.keys = list(keys)
+        self.n = len(self.keys)
+        self.provenance = provenance
+        self.cfg = cfg
+        self.fingerprint = provenance.fingerprint(kind, self.fields)
+        self.n_shards = -(-self.n // cfg.samples_per_shard)
+        self.log = log
+        self._lock_file = None
+
+    # -- lifecycle
+
+    def __enter__(self) -> StoreWriter:
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._acquire_lock()
+        for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
+            partial.unlink()
+        existing = self._existing_attrs()
+        if existing is not None and not self._same_store(existing):
+            self.log(
+                f"store {self.path}: made from other inputs or with another layout "
+                f"(fingerprint {existing.get('fingerprint', '?')[:12]} != "
+                f"{self.fingerprint[:12]}); starting it over"
+            )
+            self._clear()
+            existing = None
+        if existing is None:
+            self._create()
+        self.group = zarr.open_group(self.path, mode="r+")
+        self.commits = self.group[COMMITS]
+        markers = self.commits[:]
+        self.committed = {k for k, m in enumerate(markers) if m}
+        if self.committed:
+            self.log(
+                f"store {self.path}: resuming, {len(self.committed)}/{self.n_shards} shards done"
+            )
+        if self._ragged_names():
+            self._truncate_ragged(markers)
+
+    def close(self) -> None:
+        if self._lock_file is None:
+            return
+        if len(self.committed) == self.n_shards and not self.group.attrs["vse"].get("complete"):
+            self._finalize()
+        (self.path / LOCK).unlink(missing_ok=True)
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
+        self._lock_file = None
+
+    def _acquire_lock(self) -> None:
+        lock_path = self.path / LOCK
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise StoreError(
+                f"store {self.path} is locked by a running writer ({holder}); wait for it to "
+                "finish, or stop it, before writing this store"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+        handle.flush()
+        self._lock_file = handle
+
+    def _existing_attrs(self) -> dict | None:
+        if not (self.path / "zarr.json").exists():
+            if any(p.name != LOCK for p in self.path.iterdir()):
+                raise StoreError(
+                    f"{self.path} exists and is not a feature store; remove it or choose "
+                    "another output path"
+                )
+            return None
+        try:
+            return dict(zarr.open_group(self.path, mode="r").attrs["vse"])
+        except (KeyError, ValueError, OSError) as err:
+            raise StoreError(
+                f"{self.path} holds a Zarr group that is not a vse feature store ({err}); "
+                "remove it or choose another output path"
+            ) from err
+
+    def _same_store(self, attrs: dict) -> bool:
+        return (
+            attrs.get("schema_version") == SCHEMA_VERSION
+            and attrs.get("fingerprint") == self.fingerprint
+            and attrs.get("layout") == self.cfg.model_dump()
+            and attrs.get("n") == self.n
+        )
+
+    def _clear(self) -> None:
+        for child in self.path.iterdir():
+            if child.name == LOCK:
+                continue
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def _create(self) -> None:
+        cfg = self.cfg
+        group = zarr.create_group(self.path)  # mode "w" would delete the lock file
+        group.attrs["vse"] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "fingerprint": self.fingerprint,
+            "inputs": asdict(self.provenance),
+            "fields": {k: asdict(v) for k, v in self.fields.items()},
+            "layout": cfg.model_dump(),
+            "n": self.n,
+            "n_shards": self.n_shards,
+            "created": _now(),
+            "complete": False,
+        }
+        keys = group.create_array("keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str)
+        if self.n:
+            keys[:] = np.asarray(self.keys, dtype=object)
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
+        chunk = min(cfg.samples_per_chunk, cfg.samples_per_shard)
+        for name, spec in self.fields.items():
+            if spec.ragged:
+                rows_chunk = chunk * RAGGED_ROWS_PER_SAMPLE
+                rows_shard = cfg.samples_per_shard * RAGGED_ROWS_PER_SAMPLE
+                rows_shard -= rows_shard % rows_chunk
+                group.create_array(
+                    name,
+                    shape=(0, *spec.shape),
+                    chunks=(rows_chunk, *spec.shape),
+                    shards=(rows_shard, *spec.shape),
+                    dtype=spec.dtype,
+                    fill_value=0,
+                    **_codecs(cfg),
+                )
+                name, spec = f"{name}_offsets", FieldSpec((), "int64")
+            group.create_array(
+                name,
+                shape=(self.n, *spec.shape),
+                chunks=(chunk, *spec.shape),
+                shards=(cfg.samples_per_shard, *spec.shape),
+                dtype=spec.dtype,
+                fill_value=0,
+                **_codecs(cfg),
+            )
+
+    def _ragged_names(self) -> list[str]:
+        return [name for name, spec in self.fields.items() if spec.ragged]
+
+    def _rows_committed(self, markers) -> dict[str, int]:
+        """Rows of each ragged field up to the first uncommitted shard."""
+        rows = {name: 0 for name in self._ragged_names()}
+        for marker in markers:
+            if not marker:
+                break
+            rows.update({k: v[1] for k, v in json.loads(marker)["rows"].items()})
+        return rows
+
+    def _truncate_ragged(self, markers) -> None:
+        """Make ragged arrays look exactly as they did after the last in-order commit.
+
+        A killed writer may have grown an array or written part of a row shard; rewriting
+        the boundary shard from its committed rows drops that garbage, so the resumed run
+        ends bitwise identical to an uninterrupted one.
+        """
+        first_gap = next((k for k, m in enumerate(markers) if not m), self.n_shards)
+        for k in range(first_gap, self.n_shards):  # later markers would be out of order
+            if markers[k]:
+                self.commits[k] = ""
+                self.committed.discard(k)
+        for name, rows in self._rows_committed(markers).items():
+            array = self.group[name]
+            if array.shape[0] == rows:
+                continue
+            shard_rows = array.shards[0]
+            start = rows - rows % shard_rows
+            keep = array[start:rows]
+            for index in range(start // shard_rows, -(-array.shape[0] // shard_rows)):
+                (self.path / _chunk_key(name, index, array.ndim)).unlink(missing_ok=True)
+            array.resize((rows, *array.shape[1:]))
+            if len(keep):
+                array[start:rows] = keep
+
+    # -- writing
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        start = shard * self.cfg.samples_per_shard
+        return start, min(start + self.cfg.samples_per_shard, self.n)
+
+    def pending_shards(self) -> list[int]:
+        return [k for k in range(self.n_shards) if k not in self.committed]
+
+    def write_shard(self, shard: int, data: Mapping[str, Any]) -> None:
+        """Write all fields of ``shard`` then its commit marker.
+
+        ``data[name]`` is an array of shape ``(stop - start, *shape)`` for a dense field, or
+        a list of ``(rows_i, *shape)`` arrays, one per sample, for a ragged field.
+        """
+        start, stop = self.shard_range(shard)
+        if set(data) != set(self.fields):
+            raise StoreError(
+                f"store {self.path}: shard {shard} has fields {sorted(data)}, the store "
+                f"expects {sorted(self.fields)}"
+            )
+        ragged = self._ragged_names()
+        if ragged and any(k not in self.committed for k in range(shard)):
+            raise StoreError(
+                f"store {self.path}: shard {shard} written before an earlier shard; stores "
+                "with ragged fields are committed in order"
+            )
+        files: dict[str, str] = {}
+        rows: dict[str, list[int]] = {}
+        for name, spec in self.fields.items():
+            if spec.ragged:
+                rows[name] = self._write_ragged(name, spec, start, stop, data[name], files)
+                continue
+            array = np.asarray(data[name], dtype=spec.dtype)
+            if array.shape != (stop - start, *spec.shape):
+                raise StoreError(
+                    f"store {self.path}: field {name!r} of shard {shard} has shape "
+                    f"{array.shape}, expected {(stop - start, *spec.shape)}"
+                )
+            self.group[name][start:stop] = array
+            files[_chunk_key(name, shard, array.ndim)] = ""
+        for rel in files:
+            files[rel] = sha256_bytes((self.path / rel).read_bytes())
+        marker = {"shard": shard, "start": start, "stop": stop, "rows": rows, "files": files}
+        self.commits[shard] = json.dumps(marker, sort_keys=True)
+        self.committed.add(shard)
+
+    def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
+        if len(samples) != stop - start:
+            raise StoreError(
+                f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
+                f"shard range {start}:{stop}"
+            )
+        values = self.group[name]
+        first = values.shape[0]
+        lengths = [len(s) for s in samples]
+        offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.group[f"{name}_offsets"][start:stop] = offsets
+        files[_chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)] = ""
+        last = first + sum(lengths)
+        if last > first:
+            flat = np.concatenate([np.asarray(s, dtype=spec.dtype) for s in samples])
+            if flat.shape[1:] != spec.shape:
+                raise StoreError(
+                    f"store {self.path}: ragged field {name!r} rows have shape "
+                    f"{flat.shape[1:]}, expected {spec.shape}"
+                )
+            values.resize((last, *spec.shape))
+            values[first:last] = flat
+            shard_rows = values.shards[0]
+            for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
+                files[_chunk_key(name, index, values.ndim)] = ""
+        return [int(first), int(last)]
+
+    def _finalize(self) -> None:
+        attrs = dict(self.group.attrs["vse"])
+        counts = {"samples": self.n, "shards": self.n_shards}
+        for name in self._ragged_names():
+            counts[f"{name}_rows"] = int(self.group[name].shape[0])
+        attrs.update(complete=True, counts=counts)
+        self.group.attrs["vse"] = attrs
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def _open_group(url: str | Path, storage_options: dict | None = None):
+    url = str(url)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            group = zarr.open_group(url, mode="r", storage_options=storage_options)
+        attrs = dict(group.attrs["vse"])
+    except (FileNotFoundError, KeyError) as err:
+        raise StoreError(
+            f"{url}: not a feature store (no Zarr group with 'vse' attributes); check the path "
+            "or build it with its DVC stage"
+        ) from err
+    if attrs.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{url}: store schema version {attrs.get('schema_version')}, this code reads "
+            f"{SCHEMA_VERSION}; rebuild the store"
+        )
+    return group, attrs
+
+
+@dataclass
+class Store:
+    """A read-only store, local or at an fsspec URL (``s3://bucket/regions.zarr``).
+
+    Only committed shards are readable. Random access by index (``store[3]``) or key
+    (``store["img_001"]``) returns a dict of the fields of one sample.
+    """
+
+    url: str
+    group: Any
+    attrs: dict
+    committed: np.ndarray  # (n_shards,) bool
+    _key_index: dict[str, int] | None = field(default=None, repr=False)
+    _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(
+        cls,
+        url: str | Path,
+        *,
+        kind: str | None = None,
+        fingerprint: str | None = None,
+        manifest_digest: str | None = None,
+        require_complete: bool = True,
+        storage_options: dict | None = None,
+    ) -> Store:
+        group, attrs = _open_group(url, storage_options)
+        committed = np.array([bool(m) for m in group[COMMITS][:]], dtype=bool)
+        store = cls(str(url), group, attrs, committed)
+        if kind and attrs["kind"] != kind:
+            raise StoreError(f"{url}: a {attrs['kind']} store, expected a {kind} store")
+        if fingerprint and attrs["fingerprint"] != fingerprint:
+            raise StoreError(
+                f"{url}: fingerprint {attrs['fingerprint'][:12]} does not match the requested "
+                f"{fingerprint[:12]}; the store was made from other inputs, rebuild it"
+            )
+        if manifest_digest and attrs["inputs"]["manifest_digest"] != manifest_digest:
+            raise StoreError(
+                f"{url}: built from manifest {attrs['inputs']['manifest_digest'][:12]}, but the "
+                f"manifest in use is {manifest_digest[:12]}; rebuild the store (dvc repro) "
+                "or use the manifest it was built from"
+            )
+        if require_complete and not committed.all():
+            raise StoreError(
+                f"{url}: incomplete, {int(committed.sum())} of {len(committed)} shards "
+                "committed; rerun its extraction to resume it"
+            )
+        return store
+
+    # -- facts
+
+    @property
+    def kind(self) -> str:
+        return self.attrs["kind"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.attrs["fingerprint"]
+
+    @property
+    def manifest_digest(self) -> str:
+        return self.attrs["inputs"]["manifest_digest"]
+
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        return {
+            k: FieldSpec(tuple(v["shape"]), v["dtype"], v["ragged"])
+            for k, v in self.attrs["fields"].items()
+        }
+
+    @property
+    def samples_per_shard(self) -> int:
+        return self.attrs["layout"]["samples_per_shard"]
+
+    @property
+    def samples_per_chunk(self) -> int:
+        return self.attrs["layout"]["samples_per_chunk"]
+
+    def __len__(self) -> int:
+        return self.attrs["n"]
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.group["keys"][:]
+
+    def index(self, key: str) -> int:
+        if self._key_index is None:
+            self._key_index = {k: i for i, k in enumerate(self.keys)}
+        try:
+            return self._key_index[key]
+        except KeyError:
+            raise KeyError(f"{self.url}: no sample with key {key!r}") from None
+
+    def markers(self) -> list[dict | None]:
+        return [json.loads(m) if m else None for m in self.group[COMMITS][:]]
+
+    # -- reading
+
+    def _check_committed(self, start: int, stop: int) -> None:
+        shards = range(start // self.samples_per_shard, -(-stop // self.samples_per_shard))
+        missing = [k for k in shards if not self.committed[k]]
+        if missing:
+            raise StoreError(
+                f"{self.url}: samples {start}:{stop} lie in uncommitted shard(s) {missing}; "
+                "rerun the extraction to finish the store"
+            )
+
+    def offsets(self, name: str) -> np.ndarray:
+        """(N+1,) row offsets of a ragged field: sample i is rows offsets[i]:offsets[i+1]."""
+        if name not in self._offsets:
+            starts = self.group[f"{name}_offsets"][:]
+            self._offsets[name] = np.append(starts, self.group[name].shape[0]).astype(np.int64)
+        return self._offsets[name]
+
+    def read(self, start: int, stop: int, fields: Sequence[str] | None = None) -> dict:
+        """Fields of samples ``start:stop``; a ragged field comes as a list of arrays."""
+        self._check_committed(start, stop)
+        out: dict[str, Any] = {}
+        for name in fields or self.fields:
+            spec = self.fields[name]
+            if spec.ragged:
+                offsets = self.offsets(name)
+                flat = self.group[name][offsets[start] : offsets[stop]]
+                cuts = offsets[start : stop + 1] - offsets[start]
+                out[name] = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            else:
+                out[name] = self.group[name][start:stop]
+        return out
+
+    def __getitem__(self, item: int | str) -> dict:
+        index = self.index(item) if isinstance(item, str) else int(item)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.url}: index {index} out of range for {len(self)} samples")
+        return {name: value[0] for name, value in self.read(index, index + 1).items()}
+
+    def read_indices(self, indices: Sequence[int], fields: Sequence[str] | None = None) -> dict:
+        """Samples at arbitrary indices, in the given order (one read per touched chunk)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        chunk = self.samples_per_chunk
+        order = np.argsort(indices, kind="stable")
+        parts: dict[str, list] = {name: [None] * len(indices) for name in fields or self.fields}
+        sorted_idx = indices[order]
+        boundaries = np.flatnonzero(np.diff(sorted_idx // chunk)) + 1
+        for group_pos in np.split(np.arange(len(indices)), boundaries):
+            if not len(group_pos):
+                continue
+            lo, hi = int(sorted_idx[group_pos[0]]), int(sorted_idx[group_pos[-1]]) + 1
+            block = self.read(lo, hi, fields)
+            for name, values in block.items():
+                for p in group_pos:
+                    parts[name][order[p]] = values[int(sorted_idx[p]) - lo]
+        return {
+            name: values if self.fields[name].ragged else np.stack(values)
+            for name, values in parts.items()
+        }
+
+    # -- integrity
+
+    def verify(self) -> list[str]:
+        """Recompute every committed file's checksum; returns problems, empty if intact."""
+        fs, root = _fs_and_root(self.url, self.group)
+        expected: dict[str, str] = {}
+        problems = []
+        for k, marker in enumerate(self.markers()):
+            if marker is None:
+                problems.append(f"shard {k}: not committed (store incomplete)")
+                continue
+            expected.update(marker["files"])  # later shards hold the final ragged checksums
+        for rel, digest in sorted(expected.items()):
+            try:
+                data = fs.cat_file(f"{root}/{rel}")
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                continue
+            if sha256_bytes(data) != digest:
+                problems.append(f"{rel}: corrupt (checksum mismatch)")
+        return problems
+
+    def describe(self) -> dict:
+        """What ``vse store info`` shows."""
+        return {
+            "url": self.url,
+            "kind": self.kind,
+            "samples": len(self),
+            "complete": bool(self.committed.all()),
+            "committed_shards": f"{int(self.committed.sum())}/{len(self.committed)}",
+            "fingerprint": self.fingerprint,
+            "fields": {k: asdict(v) for k, v in self.fields.items()},
+            "layout": self.attrs["layout"],
+            "inputs": self.attrs["inputs"],
+            "created": self.attrs["created"],
+            "counts": self.attrs.get("counts"),
+        }
+
+
+def _fs_and_root(url: str, group) -> tuple[Any, str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **getattr(group.store, "storage_options", {}) or {})
+    store_fs = getattr(group.store, "fs", None)
+    if store_fs is not None:  # reuse the remote filesystem zarr opened (endpoint, creds)
+        return store_fs, group.store.path.rstrip("/")
+    return fs, root.rstrip("/")
+
+
+def find_stores(root: str | Path) -> Iterator[Path]:
+    """Stores under a local folder (any ``*.zarr`` group with 'vse' attributes)."""
+    root = Path(root)
+    for path in sorted(root.rglob("zarr.json")):
+        store_dir = path.parent
+        if store_dir.name.endswith(".zarr"):
+            try:
+                attrs = json.loads(path.read_text()).get("attributes", {})
+            except (OSError, json.JSONDecodeError):
+                continue
+            if "vse" in attrs:
+                yield store_dir
+
+
+# --------------------------------------------------------------------------- joining
+
+
+def join_by_key(stores: Mapping[str, Store], keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """Row index of each key in each store; stores from different manifests are refused.
+
+    Caption-level stores (keys ``<image>#<i>``) join with image-level ones by passing
+    the image keys of the captions.
+    """
+    digests = {name: s.manifest_digest for name, s in stores.items()}
+    if len(set(digests.values())) > 1:
+        listing = ", ".join(f"{n}: {d[:12]}" for n, d in digests.items())
+        raise StoreError(
+            f"cannot join stores built from different manifests ({listing}); rebuild them "
+            "from one manifest (dvc repro)"
+        )
+    rows = {}
+    for name, store in stores.items():
+        try:
+            rows[name] = np.array([store.index(k) for k in keys], dtype=np.int64)
+        except KeyError as err:
+            raise StoreError(f"store {name!r}: {err.args[0]}") from None
+    return rows

@@ -1,0 +1,209 @@
+"""Feature store: layout, fingerprints, crash-safe resumable writes, readers, verify."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from features.store import (
+    Provenance,
+    Store,
+    StoreConfig,
+    StoreError,
+    StoreWriter,
+    join_by_key,
+    ragged_fields,
+    regions_fields,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import store_writer_job as job  # noqa: E402
+
+JOB = Path(__file__).parent / "store_writer_job.py"
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    """Every file of a store, with the volatile creation time taken out of zarr.json."""
+    out = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            data = f.read_bytes()
+            if f == path / "zarr.json":
+                meta = json.loads(data)
+                meta["attributes"]["vse"].pop("created")
+                data = json.dumps(meta, sort_keys=True).encode()
+            out[str(f.relative_to(path))] = data
+    return out
+
+
+@pytest.mark.parametrize("kind", ["regions", "tokens"])
+def test_round_trip_random_access_and_verify(tmp_path, kind):
+    job.run(tmp_path / "s.zarr", kind, 37, 8)
+    store = Store.open(tmp_path / "s.zarr")
+    assert len(store) == 37 and store.kind == kind and store.describe()["complete"]
+    expected = job.shard_data(kind, 16, 24)
+    sample = store["img0019"]
+    assert store.index("img0019") == 19
+    np.testing.assert_array_equal(
+        sample["features"], np.asarray(expected["features"][3], dtype=np.float16)
+    )
+    picked = store.read_indices([30, 2, 19, 2])
+    got = picked["features"]
+    assert len(got) == 4
+    np.testing.assert_array_equal(got[2], sample["features"])
+    np.testing.assert_array_equal(got[1], got[3])
+    if kind == "regions":
+        assert got.shape == (4, 6, 16) and got.dtype == np.float16
+        assert store.read(0, 5)["boxes"].dtype == np.float32
+    else:
+        assert store.offsets("features")[-1] == store.attrs["counts"]["features_rows"]
+    assert store.verify() == []
+    # plain zarr can read it too
+    group = zarr.open_group(tmp_path / "s.zarr", mode="r")
+    assert group["keys"][0] == "img0000" and group.attrs["vse"]["kind"] == kind
+    with pytest.raises(KeyError, match="no sample with key 'nope'"):
+        store["nope"]
+
+
+def test_few_files_per_store(tmp_path):
+    job.run(tmp_path / "s.zarr", "regions", 64, 32)
+    data_files = [f for f in (tmp_path / "s.zarr").rglob("*") if f.is_file()]
+    # 4 fields x 2 shards + keys + 2 markers + 7 zarr.json
+    assert len(data_files) == 4 * 2 + 1 + 2 + 7
+
+
+@pytest.mark.parametrize("kind", ["regions", "tokens"])
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, kind):
+    job.run(tmp_path / "clean.zarr", kind, 120, 8)
+    clean = files_of(tmp_path / "clean.zarr")
+    target = tmp_path / "crashed.zarr"
+    rng = np.random.default_rng(1 if kind == "regions" else 2)
+    kills = 0
+    for attempt in range(6):  # kill after a random number of commits, at a random moment
+        proc = subprocess.Popen(
+            [sys.executable, str(JOB), str(target), kind, "120", "8", str(0.003 * (attempt % 2))],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(int(rng.integers(0, 4))):
+            proc.stdout.readline()
+        time.sleep(rng.uniform(0, 0.01))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        proc.stdout.close()
+    assert kills >= 4, "the writer finished before it could be killed"
+    partial = Store.open(target, require_complete=False)
+    done = partial.committed
+    if not done.all():  # committed shards are readable, the others refuse
+        with pytest.raises(StoreError, match="incomplete"):
+            Store.open(target)
+        first_missing = int(np.argmin(done))
+        with pytest.raises(StoreError, match="uncommitted"):
+            partial.read(first_missing * 8, first_missing * 8 + 1)
+    job.run(target, kind, 120, 8)
+    assert files_of(target) == clean
+    assert Store.open(target).verify() == []
+
+
+def test_second_writer_gets_a_lock_error(tmp_path):
+    keys = ["a", "b"]
+    with StoreWriter(tmp_path / "s.zarr", "tokens", ragged_fields(4), keys, job.PROVENANCE):
+        with pytest.raises(StoreError, match="locked by a running writer \\(pid"):
+            StoreWriter(
+                tmp_path / "s.zarr", "tokens", ragged_fields(4), keys, job.PROVENANCE
+            ).open()
+
+
+def test_verify_names_corrupt_and_missing_shards(tmp_path):
+    job.run(tmp_path / "s.zarr", "regions", 40, 8)
+    root = tmp_path / "s.zarr"
+    shard = root / "features/c/2/0/0"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (root / "boxes/c/4/0/0").unlink()
+    problems = Store.open(root).verify()
+    assert problems == ["boxes/c/4/0/0: missing", "features/c/2/0/0: corrupt (checksum mismatch)"]
+
+
+def test_fingerprint_and_manifest_checks(tmp_path):
+    job.run(tmp_path / "s.zarr", "regions", 10, 8)
+    store = Store.open(tmp_path / "s.zarr", kind="regions", manifest_digest="m" * 64)
+    assert store.fingerprint == job.PROVENANCE.fingerprint("regions", job.fields_for("regions"))
+    with pytest.raises(StoreError, match="built from manifest mmmmmmmmmmmm, but the manifest"):
+        Store.open(tmp_path / "s.zarr", manifest_digest="x" * 64)
+    with pytest.raises(StoreError, match="fingerprint .* does not match"):
+        Store.open(tmp_path / "s.zarr", fingerprint="0" * 64)
+    with pytest.raises(StoreError, match="a regions store, expected a grid store"):
+        Store.open(tmp_path / "s.zarr", kind="grid")
+    with pytest.raises(StoreError, match="not a feature store"):
+        Store.open(tmp_path / "nothing.zarr")
+
+
+def test_other_inputs_start_the_store_over(tmp_path):
+    job.run(tmp_path / "s.zarr", "regions", 10, 8)
+    other = Provenance("crash-test", "2", {"seed": 0}, "w" * 8, "m" * 64)
+    messages = []
+    fields = job.fields_for("regions")
+    keys = [f"img{i:04d}" for i in range(10)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+    with StoreWriter(
+        tmp_path / "s.zarr", "regions", fields, keys, other, cfg, messages.append
+    ) as w:
+        assert w.pending_shards() == [0, 1]
+    assert "starting it over" in messages[0]
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not a feature store; remove it"):
+        StoreWriter(tmp_path / "x", "regions", fields, keys, other, cfg).open()
+
+
+def test_writer_checks_shapes_fields_and_order(tmp_path):
+    keys = [str(i) for i in range(8)]
+    cfg = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
+    with StoreWriter(
+        tmp_path / "d.zarr", "regions", regions_fields(3, 5), keys, job.PROVENANCE, cfg
+    ) as w:
+        with pytest.raises(StoreError, match="'features' of shard 1 has shape \\(4, 3, 4\\)"):
+            w.write_shard(
+                1,
+                {
+                    "features": np.zeros((4, 3, 4)),
+                    "boxes": np.zeros((4, 3, 4)),
+                    "n_regions": np.zeros(4),
+                    "image_hw": np.zeros((4, 2)),
+                },
+            )
+        with pytest.raises(StoreError, match="expects"):
+            w.write_shard(0, {"features": np.zeros((4, 3, 5))})
+    with StoreWriter(
+        tmp_path / "r.zarr", "tokens", ragged_fields(5), keys, job.PROVENANCE, cfg
+    ) as w:
+        with pytest.raises(StoreError, match="committed in order"):
+            w.write_shard(1, {"features": [np.zeros((2, 5))] * 4})
+
+
+def test_join_by_key_refuses_other_manifests(tmp_path):
+    job.run(tmp_path / "a.zarr", "regions", 10, 8)
+    job.run(tmp_path / "b.zarr", "tokens", 10, 8)
+    a, b = Store.open(tmp_path / "a.zarr"), Store.open(tmp_path / "b.zarr")
+    rows = join_by_key({"regions": a, "tokens": b}, ["img0003", "img0001"])
+    assert rows["regions"].tolist() == [3, 1] and rows["tokens"].tolist() == [3, 1]
+    keys = [f"img{i:04d}" for i in range(10)]
+    other = Provenance("x", "1", {}, None, "z" * 64)
+    with StoreWriter(tmp_path / "c.zarr", "tokens", ragged_fields(16), keys, other) as w:
+        w.write_shard(0, job.shard_data("tokens", 0, 10))
+    with pytest.raises(StoreError, match="different manifests"):
+        join_by_key({"a": a, "c": Store.open(tmp_path / "c.zarr")}, keys)
+    with pytest.raises(StoreError, match="store 'regions': .*no sample with key 'zz'"):
+        join_by_key({"regions": a}, ["zz"])
