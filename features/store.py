@@ -151,7 +151,7 @@ class StoreWriter:
         fields: Mapping[str, FieldSpec],
         keys: Sequence[str],
         provenance: Provenance,
-        cfg: StoreConfig = StoreConfig(),
+        cfg: StoreConfig | None = None,
         log=print,
     ):
         self.path = Path(path)
@@ -160,7 +160,7 @@ class StoreWriter:
         self.keys = list(keys)
         self.n = len(self.keys)
         self.provenance = provenance
-        self.cfg = cfg
+        self.cfg = cfg = cfg or StoreConfig()
         self.fingerprint = provenance.fingerprint(kind, self.fields)
         self.n_shards = -(-self.n // cfg.samples_per_shard)
         self.log = log

@@ -1,0 +1,182 @@
+"""Training loader over a feature store: contiguous block reads, two-level shuffle.
+
+Random per-sample reads are slow on chunked storage (a chunk is decoded to get one
+sample), so the loader reads whole blocks (``block_size`` consecutive samples, by default
+one Zarr chunk) and shuffles at two levels, as WebDataset does with shards:
+
+1. the order of blocks, by a permutation seeded by ``(seed, epoch)``, identical on every
+   rank and worker, which then take disjoint slices of it;
+2. samples within a buffer of ``buffer_size`` samples, seeded by ``(seed, epoch, rank,
+   worker)``.
+
+Under DDP the ranks read disjoint blocks and every rank yields the same number of
+batches (each stops at the count of the smallest rank; the few samples left over differ
+from epoch to epoch), so no rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from features.store import Store
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def collate(samples: dict[str, list], index: np.ndarray, ragged: set[str]) -> dict:
+    """Dense fields stack to ``(B, ...)``; ragged ones pad to ``(B, L_max, ...)`` + lengths."""
+    batch: dict[str, torch.Tensor] = {"index": torch.from_numpy(index)}
+    for name, values in samples.items():
+        if name in ragged:
+            lengths = np.array([len(v) for v in values], dtype=np.int64)
+            padded = np.zeros(
+                (len(values), max(lengths.max(initial=0), 1), *values[0].shape[1:]),
+                dtype=values[0].dtype,
+            )
+            for i, v in enumerate(values):
+                padded[i, : len(v)] = v
+            batch[name] = torch.from_numpy(padded)
+            batch[f"{name}_lengths"] = torch.from_numpy(lengths)
+        else:
+            batch[name] = torch.from_numpy(np.ascontiguousarray(values))
+    return batch
+
+
+class BlockShuffleLoader(IterableDataset):
+    """Batches of ``fields`` from the store at ``url``; use with ``DataLoader(batch_size=None)``.
+
+    ``indices`` selects the samples (e.g. one split), in store order; call
+    :meth:`set_epoch` before each epoch. ``rank``/``world_size`` default to the
+    initialised ``torch.distributed`` group.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        indices: Sequence[int] | None = None,
+        block_size: int | None = None,
+        buffer_size: int = 4096,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = True,
+        storage_options: dict | None = None,
+    ):
+        self.url = str(url)
+        self.fields = list(fields)
+        self.batch_size = batch_size
+        self.buffer_size = max(buffer_size, batch_size)
+        self.seed = seed
+        self.drop_last = drop_last
+        self.storage_options = storage_options
+        self.epoch = 0
+        store = self.store
+        n = len(store)
+        self.indices = np.arange(n) if indices is None else np.sort(np.asarray(indices))
+        self.block_size = block_size or store.samples_per_chunk
+        dist_rank, dist_world = _dist_rank_world()
+        self.rank = dist_rank if rank is None else rank
+        self.world_size = dist_world if world_size is None else world_size
+        self.ragged = {name for name in self.fields if store.fields[name].ragged}
+
+    @property
+    def store(self) -> Store:
+        """Opened lazily, once per process (DataLoader workers reopen it)."""
+        if getattr(self, "_store", None) is None:
+            self._store = Store.open(self.url, storage_options=self.storage_options)
+        return self._store
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_store"] = None
+        return state
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _blocks(self) -> list[np.ndarray]:
+        return [
+            self.indices[i : i + self.block_size]
+            for i in range(0, len(self.indices), self.block_size)
+        ]
+
+    def _plan(self, n_workers: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
+        """Blocks of every (rank, worker) slot for this epoch, and each slot's batch quota."""
+        blocks = self._blocks()
+        slots = self.world_size * n_workers
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(blocks))
+        assigned = [[blocks[b] for b in order[s::slots]] for s in range(slots)]
+        samples = np.array([sum(len(b) for b in slot) for slot in assigned])
+        if self.drop_last:
+            quota = samples // self.batch_size
+        else:
+            quota = -(-samples // self.batch_size)
+        if self.world_size > 1:  # equal batch counts on every rank, worker by worker
+            quota = np.tile(quota.reshape(self.world_size, n_workers).min(0), self.world_size)
+        return assigned, quota
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (over all its DataLoader workers)."""
+        _, quota = self._plan(1)
+        return int(quota[self.rank])
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        slot = self.rank * n_workers + worker
+        assigned, quota = self._plan(n_workers)
+        rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])
+        emitted = 0
+        for batch in self._batches(assigned[slot], rng):
+            if emitted == quota[slot]:
+                return
+            yield batch
+            emitted += 1
+
+    def _batches(self, blocks: list[np.ndarray], rng: np.random.Generator) -> Iterator[dict]:
+        store, bs = self.store, self.batch_size
+        buffer: dict[str, list] = {name: [] for name in self.fields}
+        buffer_index: list[int] = []
+        for k, block in enumerate(blocks):
+            lo, hi = int(block[0]), int(block[-1]) + 1
+            data = store.read(lo, hi, self.fields)  # one contiguous read per block
+            rows = block - lo
+            for name in self.fields:
+                if name in self.ragged:
+                    buffer[name].extend(data[name][r] for r in rows)
+                else:
+                    buffer[name].append(data[name][rows])
+            buffer_index.extend(block.tolist())
+            last = k == len(blocks) - 1
+            if len(buffer_index) < self.buffer_size and not last:
+                continue
+            # at this point the buffer holds >= buffer_size samples (or the last ones)
+            perm = rng.permutation(len(buffer_index))
+            dense = {n: np.concatenate(v) for n, v in buffer.items() if n not in self.ragged}
+            n_full = len(perm) // bs * bs
+            take = perm if last else perm[:n_full]
+            for start in range(0, len(take), bs):
+                sel = take[start : start + bs]
+                if len(sel) < bs and self.drop_last:
+                    break
+                samples = {n: dense[n][sel] for n in dense}
+                samples.update({n: [buffer[n][i] for i in sel] for n in self.ragged})
+                yield collate(samples, np.asarray(buffer_index)[sel], self.ragged)
+            rest = perm[n_full:]  # fewer than a batch: carried into the next buffer
+            for n in self.fields:
+                if n in self.ragged:
+                    buffer[n] = [buffer[n][i] for i in rest]
+                else:
+                    buffer[n] = [dense[n][rest]]
+            buffer_index = [buffer_index[i] for i in rest]
