@@ -31,20 +31,24 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def pad_stack(values: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arrays of different lengths along axis 0 -> ``(B, L_max, ...)`` zero-padded + lengths."""
+    lengths = np.array([len(v) for v in values], dtype=np.int64)
+    padded = np.zeros(
+        (len(values), max(int(lengths.max(initial=0)), 1), *values[0].shape[1:]),
+        dtype=values[0].dtype,
+    )
+    for i, v in enumerate(values):
+        padded[i, : len(v)] = v
+    return torch.from_numpy(padded), torch.from_numpy(lengths)
+
+
 def collate(samples: dict[str, list], index: np.ndarray, ragged: set[str]) -> dict:
     """Dense fields stack to ``(B, ...)``; ragged ones pad to ``(B, L_max, ...)`` + lengths."""
     batch: dict[str, torch.Tensor] = {"index": torch.from_numpy(index)}
     for name, values in samples.items():
         if name in ragged:
-            lengths = np.array([len(v) for v in values], dtype=np.int64)
-            padded = np.zeros(
-                (len(values), max(lengths.max(initial=0), 1), *values[0].shape[1:]),
-                dtype=values[0].dtype,
-            )
-            for i, v in enumerate(values):
-                padded[i, : len(v)] = v
-            batch[name] = torch.from_numpy(padded)
-            batch[f"{name}_lengths"] = torch.from_numpy(lengths)
+            batch[name], batch[f"{name}_lengths"] = pad_stack(values)
         else:
             batch[name] = torch.from_numpy(np.ascontiguousarray(values))
     return batch

@@ -119,9 +119,14 @@ def _chunk_key(field_name: str, index: int, ndim: int) -> str:
 
 
 def _codecs(cfg: StoreConfig) -> dict:
-    """Compression, and every chunk written even if all zeros: a fixed set of files."""
     compressors = zarr.codecs.ZstdCodec(level=1) if cfg.compression == "zstd" else None
-    return {"compressors": compressors, "config": {"write_empty_chunks": True}}
+    return {"compressors": compressors}
+
+
+def _write_every_chunk():
+    """Write chunks of zeros too, so each committed shard has a fixed set of files (the
+    setting is not saved with an array, so it is set around every write)."""
+    return zarr.config.set({"array.write_empty_chunks": True})
 
 
 def _now() -> str:
@@ -200,7 +205,8 @@ class StoreWriter:
                 f"store {self.path}: resuming, {len(self.committed)}/{self.n_shards} shards done"
             )
         if self._ragged_names():
-            self._truncate_ragged(markers)
+            with _write_every_chunk():
+                self._truncate_ragged(markers)
 
     def close(self) -> None:
         if self._lock_file is None:
@@ -358,6 +364,10 @@ class StoreWriter:
         ``data[name]`` is an array of shape ``(stop - start, *shape)`` for a dense field, or
         a list of ``(rows_i, *shape)`` arrays, one per sample, for a ragged field.
         """
+        with _write_every_chunk():
+            self._write_shard(shard, data)
+
+    def _write_shard(self, shard: int, data: Mapping[str, Any]) -> None:
         start, stop = self.shard_range(shard)
         if set(data) != set(self.fields):
             raise StoreError(
@@ -461,6 +471,7 @@ class Store:
     group: Any
     attrs: dict
     committed: np.ndarray  # (n_shards,) bool
+    storage_options: dict | None = None
     _key_index: dict[str, int] | None = field(default=None, repr=False)
     _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -477,7 +488,7 @@ class Store:
     ) -> Store:
         group, attrs = _open_group(url, storage_options)
         committed = np.array([bool(m) for m in group[COMMITS][:]], dtype=bool)
-        store = cls(str(url), group, attrs, committed)
+        store = cls(str(url), group, attrs, committed, storage_options)
         if kind and attrs["kind"] != kind:
             raise StoreError(f"{url}: a {attrs['kind']} store, expected a {kind} store")
         if fingerprint and attrs["fingerprint"] != fingerprint:
@@ -609,7 +620,10 @@ class Store:
 
     def verify(self) -> list[str]:
         """Recompute every committed file's checksum; returns problems, empty if intact."""
-        fs, root = _fs_and_root(self.url, self.group)
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.url, **(self.storage_options or {}))
+        root = root.rstrip("/")
         expected: dict[str, str] = {}
         problems = []
         for k, marker in enumerate(self.markers()):
@@ -642,16 +656,6 @@ class Store:
             "created": self.attrs["created"],
             "counts": self.attrs.get("counts"),
         }
-
-
-def _fs_and_root(url: str, group) -> tuple[Any, str]:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url, **getattr(group.store, "storage_options", {}) or {})
-    store_fs = getattr(group.store, "fs", None)
-    if store_fs is not None:  # reuse the remote filesystem zarr opened (endpoint, creds)
-        return store_fs, group.store.path.rstrip("/")
-    return fs, root.rstrip("/")
 
 
 def find_stores(root: str | Path) -> Iterator[Path]:

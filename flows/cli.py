@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from features.config import ConfigError
 from features.ingest import IngestError
+from features.store import StoreError
 from flows.params import Params, load_params
 
 
@@ -83,6 +84,160 @@ def cmd_prepare(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def _storage_options(args: argparse.Namespace) -> dict | None:
+    if not args.storage_options:
+        return None
+    try:
+        return json.loads(args.storage_options)
+    except json.JSONDecodeError as err:
+        raise StoreError(f"--storage-options: not a JSON object ({err})") from None
+
+
+def cmd_store_ls(args: argparse.Namespace, params: Params | None) -> int:
+    from features.store import Store, find_stores
+
+    rows = []
+    for path in find_stores(args.root):
+        store = Store.open(path, require_complete=False)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        state = (
+            "complete"
+            if store.committed.all()
+            else "partial " + store.describe()["committed_shards"]
+        )
+        rows.append(
+            (
+                str(path),
+                store.kind,
+                str(len(store)),
+                state,
+                store.fingerprint[:12],
+                f"{size / 2**20:.1f} MB",
+            )
+        )
+    if not rows:
+        print(f"no feature stores under {args.root}")
+        return 0
+    header = ("path", "kind", "samples", "state", "fingerprint", "size")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_store_info(args: argparse.Namespace, params: Params | None) -> int:
+    from features.store import Store
+
+    store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
+    info = store.describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(yaml.safe_dump(info, sort_keys=False), end="")
+    return 0
+
+
+def cmd_store_verify(args: argparse.Namespace, params: Params | None) -> int:
+    from features.store import Store
+
+    store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
+    problems = store.verify()
+    for problem in problems:
+        print(f"{args.url}: {problem}")
+    if problems:
+        print(f"verify: {len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        return 1
+    print(f"verify: {args.url} is intact ({len(store)} samples, all shards committed)")
+    return 0
+
+
+def _named_paths(items: list[str], option: str) -> dict[str, str]:
+    named = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise StoreError(f"{option} {item!r}: expected NAME=PATH, e.g. regions=data/x.zarr")
+        named[name] = path
+    return named
+
+
+def cmd_shards_build(args: argparse.Namespace, params: Params) -> int:
+    from features.ingest import read_manifest
+    from features.shards import build_shards
+    from features.store import Store
+
+    manifest = read_manifest(Path(args.manifest))
+    stores = {
+        name: Store.open(path, manifest_digest=manifest.digest)
+        for name, path in _named_paths(args.store, "--store").items()
+    }
+    start = time.perf_counter()
+    sizes = build_shards(
+        manifest,
+        stores,
+        Path(args.out),
+        params.shards.samples_per_shard,
+        progress=_progress("shards", unit="block"),
+    )
+    seconds = time.perf_counter() - start
+    total = sum(sizes.values())
+    packed = ", ".join(stores) or "no feature stores"
+    print(
+        f"shards: {total} samples in {len(sizes)} shards ({packed}) to {args.out} "
+        f"in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} samples/s)"
+    )
+    return 0
+
+
+def cmd_import_precomp(args: argparse.Namespace, params: Params) -> int:
+    from features.precomp import import_precomp
+
+    manifest = import_precomp(
+        Path(args.folder),
+        args.splits,
+        Path(args.manifest),
+        Path(args.out),
+        params.store,
+        progress=_progress("import", unit="shard"),
+    )
+    print(f"import: {len(manifest)} images of {args.splits} -> {args.manifest} and {args.out}")
+    return 0
+
+
+def cmd_import_tsv(args: argparse.Namespace, params: Params) -> int:
+    from features.ingest import read_manifest
+    from features.precomp import import_butd_tsv
+
+    manifest = read_manifest(Path(args.manifest))
+    missing = import_butd_tsv(
+        [Path(f) for f in args.tsv],
+        manifest,
+        Path(args.out),
+        params.store,
+        args.max_regions,
+        progress=_progress("import", unit="shard"),
+    )
+    print(f"import: {len(manifest) - len(missing)} of {len(manifest)} images -> {args.out}")
+    if missing:
+        print(
+            f"import: {len(missing)} manifest images have no TSV row (stored with 0 regions), "
+            f"e.g. {', '.join(missing[:5])}"
+        )
+    return 0
+
+
+def cmd_export_precomp(args: argparse.Namespace, params: Params | None) -> int:
+    from features.ingest import read_manifest
+    from features.precomp import export_precomp
+    from features.store import Store
+
+    manifest = read_manifest(Path(args.manifest))
+    store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+    path = export_precomp(store, manifest, args.split, Path(args.out), n_regions=args.regions)
+    print(f"export: {args.split} -> {path} (+ captions and ids)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vse",
@@ -121,18 +276,100 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", required=True, help="CSV of every problem: key, reason, detail")
     p.add_argument("--metrics", required=True, help="JSON of counts (a DVC metrics file)")
     p.set_defaults(func=cmd_prepare)
+
+    shards = commands.add_parser("shards", help="WebDataset training shards")
+    shards_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="COMMAND")
+    p = shards_commands.add_parser(
+        "build",
+        help="pack per-split training samples into tar shards (params: shards)",
+        description="Pack captions, labels, ground-truth boxes and the fields of the given "
+        "stores into {split}-NNNNNN.tar shards with a sizes.json.",
+    )
+    p.add_argument("--manifest", required=True, help="manifest parquet (vse prepare)")
+    p.add_argument("--out", required=True, help="output folder of the shards")
+    p.add_argument(
+        "--store",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a feature store to pack, e.g. regions=data/features/regions.zarr (repeatable)",
+    )
+    p.set_defaults(func=cmd_shards_build)
+
+    store = commands.add_parser(
+        "store",
+        help="list, inspect and verify feature stores",
+        description="Feature stores are Zarr v3 groups (*.zarr), local or at an fsspec URL.",
+    )
+    store_commands = store.add_subparsers(dest="store_command", required=True, metavar="COMMAND")
+    p = store_commands.add_parser("ls", help="list the stores under a folder")
+    p.add_argument("root", nargs="?", default="data", help="folder to search (default: data)")
+    p.set_defaults(func=cmd_store_ls, needs_params=False)
+    for name, func, text in (
+        ("info", cmd_store_info, "show how a store was made: kind, fingerprint, inputs, layout"),
+        ("verify", cmd_store_verify, "recompute checksums; name every corrupt or missing shard"),
+    ):
+        p = store_commands.add_parser(name, help=text, description=text)
+        p.add_argument(
+            "url", help="store path or URL, e.g. data/features/regions.zarr or s3://b/r.zarr"
+        )
+        p.add_argument(
+            "--storage-options",
+            help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+        )
+        if name == "info":
+            p.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+        p.set_defaults(func=func, needs_params=False)
+
+    p = store_commands.add_parser(
+        "import-precomp",
+        help="import a SCAN/VSE++ precomp folder as a manifest + regions store (params: store)",
+        description="Reads {split}_ims.npy, {split}_caps.txt and {split}_ids.txt if present.",
+    )
+    p.add_argument("folder", help="precomp folder, e.g. data/f30k_precomp")
+    p.add_argument(
+        "--splits",
+        nargs="+",
+        default=["train", "dev", "test"],
+        help="precomp split names (dev -> val, testall -> test)",
+    )
+    p.add_argument("--manifest", required=True, help="manifest parquet to write")
+    p.add_argument("--out", required=True, help="regions store to write")
+    p.set_defaults(func=cmd_import_precomp)
+
+    p = store_commands.add_parser(
+        "import-tsv",
+        help="import bottom-up-attention TSV features for a manifest's images (params: store)",
+    )
+    p.add_argument(
+        "tsv", nargs="+", help="TSV files (image_id, image_w, image_h, num_boxes, boxes, features)"
+    )
+    p.add_argument("--manifest", required=True, help="manifest the store is aligned with")
+    p.add_argument("--out", required=True, help="regions store to write")
+    p.add_argument("--max-regions", type=int, default=36, help="regions kept per image")
+    p.set_defaults(func=cmd_import_tsv)
+
+    p = store_commands.add_parser(
+        "export-precomp", help="export one split of a regions store to the precomp layout"
+    )
+    p.add_argument("store", help="regions store")
+    p.add_argument("--manifest", required=True, help="the manifest the store was built from")
+    p.add_argument("--split", required=True, choices=["train", "val", "test"])
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--regions", type=int, default=36, help="regions per image (pad or cut)")
+    p.set_defaults(func=cmd_export_precomp, needs_params=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        params = load_params(args.params)
+        params = load_params(args.params) if getattr(args, "needs_params", True) else None
         return args.func(args, params)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except IngestError as err:
+    except (IngestError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 from features.config import ConfigError, Section, format_errors
 from features.demo import DemoConfig
 from features.ingest import PrepareConfig
+from features.shards import ShardsConfig
+from features.store import StoreConfig
 
 
 class Params(Section):
@@ -22,6 +24,8 @@ class Params(Section):
 
     demo: DemoConfig = DemoConfig()
     prepare: PrepareConfig = PrepareConfig()
+    store: StoreConfig = StoreConfig()
+    shards: ShardsConfig = ShardsConfig()
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

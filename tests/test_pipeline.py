@@ -5,15 +5,14 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
-SMALL = """\
-demo:
-  n_train: 12
-  n_val: 4
-  n_test: 4
-prepare:
-  format: demo
-"""
+
+def small_params(repo_root) -> str:
+    """The repository's params.yaml with a 12/4/4 demo dataset."""
+    params = yaml.safe_load((repo_root / "params.yaml").read_text())
+    params["demo"].update(n_train=12, n_val=4, n_test=4)
+    return yaml.safe_dump(params, sort_keys=False)
 
 
 def run(cmd, cwd, check=True):
@@ -32,7 +31,7 @@ def project(tmp_path, repo_root):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(repo_root / rel, tmp_path / rel)
     run(["git", "init", "-q"], tmp_path)
-    (tmp_path / "params.yaml").write_text(SMALL)
+    (tmp_path / "params.yaml").write_text(small_params(repo_root))
     return tmp_path
 
 
@@ -48,7 +47,8 @@ def test_repro_builds_the_manifest_then_does_nothing(project):
 
 
 def test_broken_params_fail_before_any_work(project):
-    (project / "params.yaml").write_text(SMALL.replace("n_train", "n_trian"))
+    broken = (project / "params.yaml").read_text().replace("n_train", "n_trian")
+    (project / "params.yaml").write_text(broken)
     result = run(["dvc", "repro"], project, check=False)
     assert result.returncode != 0
     assert "demo.n_trian: unknown key, did you mean n_train" in result.stdout + result.stderr
@@ -68,3 +68,23 @@ def test_committed_lock_matches_the_code(project):
         if path.endswith(".py") and state == "modified"
     ]
     assert not stale, f"dvc.lock is stale for {stale}: run `dvc repro` and commit dvc.lock"
+
+
+def test_team_b_gets_the_outputs_without_recomputing(project, tmp_path_factory):
+    """Team A pushes outputs and run cache; team B's fresh clone pulls, runs nothing."""
+    remote = tmp_path_factory.mktemp("remote")
+    run(["dvc", "repro"], project)
+    run(["dvc", "remote", "add", "-d", "team", str(remote)], project)
+    run(["dvc", "push", "--run-cache"], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=a", "-c", "user.email=a@x", "commit", "-qm", "team A"], project)
+    manifest = (project / "data/prepared/manifest.parquet").read_bytes()
+
+    for how in (["dvc", "repro", "--pull"], ["dvc", "pull"]):
+        clone = tmp_path_factory.mktemp("team_b") / "repo"
+        run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
+        result = run(how, clone)
+        assert "Running stage" not in result.stdout, result.stdout
+        assert (clone / "data/prepared/manifest.parquet").read_bytes() == manifest
+        status = run(["dvc", "status"], clone)
+        assert "up to date" in status.stdout, status.stdout

@@ -207,3 +207,19 @@ def test_join_by_key_refuses_other_manifests(tmp_path):
         join_by_key({"a": a, "c": Store.open(tmp_path / "c.zarr")}, keys)
     with pytest.raises(StoreError, match="store 'regions': .*no sample with key 'zz'"):
         join_by_key({"regions": a}, ["zz"])
+
+
+def test_cli_ls_info_verify(tmp_path, capsys):
+    from flows.cli import main
+
+    job.run(tmp_path / "feats" / "regions.zarr", "regions", 20, 8)
+    assert main(["store", "ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "regions.zarr" in out and "complete" in out and " 20 " in out
+    assert main(["store", "info", str(tmp_path / "feats" / "regions.zarr")]) == 0
+    assert "manifest_digest: " + "m" * 64 in capsys.readouterr().out
+    assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 0
+    assert "is intact" in capsys.readouterr().out
+    (tmp_path / "feats" / "regions.zarr" / "boxes/c/1/0/0").write_bytes(b"x")
+    assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 1
+    assert "boxes/c/1/0/0: corrupt" in capsys.readouterr().out

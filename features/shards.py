@@ -1,0 +1,208 @@
+"""WebDataset shards: per-split training samples packed from the manifest and the stores.
+
+The only code that knows the shard layout. Each sample (one image) holds::
+
+    __key__                    image key, with '.' replaced (WebDataset splits names at dots)
+    key.txt                    the image key as in the manifest
+    captions.json              list of captions
+    label.cls                  class index (datasets with labels)
+    gt_boxes.npy, gt_names.json   ground-truth boxes (datasets with boxes)
+    <store>.<field>.npy        each field of each packed store, e.g. regions.features.npy
+
+Shards are ``{split}-{index:06d}.tar`` with fixed tar mtimes (identical inputs give identical
+bytes, so DVC caches them), and ``sizes.json`` maps each shard name to its sample count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import webdataset as wds
+
+from features.config import Section
+from features.ingest import SPLITS, Manifest
+from features.loader import pad_stack
+from features.store import Store, StoreError, join_by_key
+
+SIZES = "sizes.json"
+
+
+class ShardsConfig(Section):
+    """``shards`` section of params.yaml."""
+
+    samples_per_shard: int = 1000
+
+
+BLOCK = 256  # manifest rows read from the stores at a time
+
+
+def shard_names(sizes: Mapping[str, int], split: str) -> list[str]:
+    return sorted(name for name in sizes if name.startswith(f"{split}-"))
+
+
+def _safe_key(key: str) -> str:
+    return re.sub(r"[.\s]", "_", key)
+
+
+def build_shards(
+    manifest: Manifest,
+    stores: Mapping[str, Store],
+    out_dir: Path,
+    samples_per_shard: int = 1000,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> dict[str, int]:
+    """Write every split's shards and ``sizes.json`` into ``out_dir``; returns the sizes."""
+    for name, store in stores.items():
+        if store.manifest_digest != manifest.digest:
+            raise StoreError(
+                f"store {name!r} ({store.url}) was built from manifest "
+                f"{store.manifest_digest[:12]}, not from this one ({manifest.digest[:12]}); "
+                "rebuild it (dvc repro)"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.tar"):
+        old.unlink()
+    rows = manifest.table.to_pylist()
+    sizes: dict[str, int] = {}
+    for split in SPLITS:
+        split_rows = [r for r in rows if r["split"] == split]
+        if not split_rows:
+            continue
+        pattern = str(out_dir / f"{split}-%06d.tar")
+        with wds.ShardWriter(pattern, maxcount=samples_per_shard, mtime=0, verbose=0) as sink:
+            blocks = range(0, len(split_rows), BLOCK)
+            for start in progress(blocks) if progress else blocks:
+                block = split_rows[start : start + BLOCK]
+                features = _read_stores(stores, [r["key"] for r in block])
+                for i, row in enumerate(block):
+                    sink.write(_sample(row, {k: v[i] for k, v in features.items()}))
+        n = len(split_rows)  # ShardWriter fills each shard to maxcount before the next
+        for k in range(-(-n // samples_per_shard)):
+            sizes[f"{split}-{k:06d}.tar"] = min(samples_per_shard, n - k * samples_per_shard)
+    (out_dir / SIZES).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
+    return sizes
+
+
+def _read_stores(stores: Mapping[str, Store], keys: list[str]) -> dict[str, list]:
+    """``{"<store>.<field>": per-sample values}`` for the given image keys."""
+    out = {}
+    rows = join_by_key(stores, keys) if stores else {}
+    for name, store in stores.items():
+        data = store.read_indices(rows[name])
+        for field, values in data.items():
+            out[f"{name}.{field}"] = list(values)
+    return out
+
+
+def _sample(row: dict, features: dict) -> dict:
+    sample = {
+        "__key__": _safe_key(row["key"]),
+        "key.txt": row["key"],
+        "captions.json": json.dumps(row["captions"]),
+    }
+    if row["label"] is not None:
+        sample["label.cls"] = row["label"]
+    if row["boxes"] is not None:
+        sample["gt_boxes.npy"] = np.asarray(row["boxes"], dtype=np.float32)
+        sample["gt_names.json"] = json.dumps(row["box_names"])
+    for name, value in features.items():
+        sample[f"{name}.npy"] = np.asarray(value)
+    return sample
+
+
+def read_sizes(shard_dir: str | Path) -> dict[str, int]:
+    path = Path(shard_dir) / SIZES
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing; build the shards with `vse shards build`") from None
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+class ToDict:
+    """Decoded WebDataset sample -> flat dict of the requested fields (picklable)."""
+
+    def __init__(self, fields: list[str] | None):
+        self.fields = fields
+
+    def __call__(self, sample: dict) -> dict:
+        out = {"key": sample["key.txt"], "captions": sample["captions.json"]}
+        if "label.cls" in sample:
+            out["label"] = sample["label.cls"]
+        for name, value in sample.items():
+            if name.endswith(".npy"):
+                field = name[: -len(".npy")]
+                if self.fields is None or field in self.fields:
+                    out[field] = value
+        return out
+
+
+class Collate:
+    """List of sample dicts -> batch dict: arrays stacked as tensors (padded, with
+    ``<name>_lengths``, where lengths differ, e.g. ground-truth boxes), text kept as lists."""
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch: dict = {}
+        for name in samples[0]:
+            values = [s[name] for s in samples]
+            if isinstance(values[0], np.ndarray):
+                if len({v.shape for v in values}) == 1:
+                    batch[name] = torch.from_numpy(np.stack(values))
+                else:
+                    batch[name], batch[f"{name}_lengths"] = pad_stack(values)
+            elif name == "label":
+                batch[name] = torch.tensor(values)
+            else:
+                batch[name] = values
+        return batch
+
+
+def stream(
+    shard_dir: str | Path,
+    split: str,
+    batch_size: int,
+    *,
+    fields: list[str] | None = None,
+    shuffle_buffer: int = 1000,
+    seed: int = 0,
+    resampled: bool = False,
+    batches_per_epoch: int | None = None,
+) -> wds.DataPipeline:
+    """A streaming loader over one split's shards (use in ``DataLoader(batch_size=None)``).
+
+    Without ``resampled``, shards are shuffled per epoch and split across nodes (DDP
+    ranks) and DataLoader workers, so each sample is read once per epoch. With
+    ``resampled`` (multi-node training), each worker draws shards with replacement and
+    ``batches_per_epoch`` (per worker) keeps batch counts equal on every rank.
+    """
+    sizes = read_sizes(shard_dir)
+    urls = [str(Path(shard_dir) / name) for name in shard_names(sizes, split)]
+    if not urls:
+        raise StoreError(f"{shard_dir}: no shards for split {split!r}")
+    if resampled:
+        stages = [wds.ResampledShards(urls, seed=seed, deterministic=True)]
+    else:
+        stages = [
+            wds.SimpleShardList(urls),
+            wds.detshuffle(bufsize=len(urls), initial=len(urls), seed=seed),  # shard order
+            wds.split_by_node,  # this rank's shards ...
+            wds.split_by_worker,  # ... and this worker's
+        ]
+    stages += [
+        wds.tarfile_to_samples(),  # at this point we have raw samples: {"key.txt": b"..."}
+        wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100)),
+        wds.decode(),  # .npy -> ndarray, .json -> objects, .cls -> int, .txt -> str
+        wds.map(ToDict(fields)),
+        wds.batched(batch_size, collation_fn=Collate(), partial=not resampled),
+    ]
+    pipeline = wds.DataPipeline(*stages)
+    if batches_per_epoch is not None:
+        pipeline = pipeline.with_epoch(batches_per_epoch)
+    return pipeline

@@ -1,0 +1,73 @@
+"""Stores opened read-only from S3, against a local S3 endpoint (moto) on 127.0.0.1."""
+
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from features.store import Store
+from flows.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+import store_writer_job as job  # noqa: E402
+
+moto_server = pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "test",
+        "secret": "test",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    import boto3
+    import s3fs
+
+    boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="stores")
+    fs = s3fs.S3FileSystem(**options)
+    local = tmp_path_factory.mktemp("local") / "regions.zarr"
+    job.run(local, "regions", 30, 8)
+    fs.put(str(local), "stores/regions.zarr", recursive=True)
+    yield fs, options, local
+    server.stop()
+
+
+def test_open_read_and_verify_from_s3(s3):
+    fs, options, local = s3
+    remote = Store.open("s3://stores/regions.zarr", storage_options=options)
+    here = Store.open(local)
+    assert len(remote) == 30 and remote.fingerprint == here.fingerprint
+    np.testing.assert_array_equal(remote["img0017"]["features"], here["img0017"]["features"])
+    np.testing.assert_array_equal(remote.read(3, 20)["boxes"], here.read(3, 20)["boxes"])
+    assert remote.verify() == []
+
+
+def test_verify_names_a_corrupt_shard_on_s3(s3, capsys):
+    fs, options, local = s3
+    fs.put(str(local), "stores/broken.zarr", recursive=True)
+    fs.pipe("stores/broken.zarr/features/c/1/0/0", b"garbage")
+    url = "s3://stores/broken.zarr"
+    assert Store.open(url, storage_options=options).verify() == [
+        "features/c/1/0/0: corrupt (checksum mismatch)"
+    ]
+    import json
+
+    assert main(["store", "verify", url, "--storage-options", json.dumps(options)]) == 1
+    assert "features/c/1/0/0: corrupt" in capsys.readouterr().out
+    assert main(["store", "info", url, "--json", "--storage-options", json.dumps(options)]) == 0
+    assert '"kind": "regions"' in capsys.readouterr().out
