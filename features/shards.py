@@ -19,15 +19,19 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import webdataset as wds
 
 from features.config import Section
 from features.ingest import SPLITS, Manifest
-from features.loader import pad_stack
 from features.store import Store, StoreError, join_by_key
+
+if TYPE_CHECKING:
+    import webdataset as wds
+
+# torch and webdataset are imported where they are used: the `vse` CLI imports this
+# module for its config and should start fast.
 
 SIZES = "sizes.json"
 
@@ -57,6 +61,8 @@ def build_shards(
     progress: Callable[[Iterable], Iterable] | None = None,
 ) -> dict[str, int]:
     """Write every split's shards and ``sizes.json`` into ``out_dir``; returns the sizes."""
+    import webdataset as wds
+
     for name, store in stores.items():
         if store.manifest_digest != manifest.digest:
             raise StoreError(
@@ -149,6 +155,10 @@ class Collate:
     ``<name>_lengths``, where lengths differ, e.g. ground-truth boxes), text kept as lists."""
 
     def __call__(self, samples: list[dict]) -> dict:
+        import torch
+
+        from features.loader import pad_stack
+
         batch: dict = {}
         for name in samples[0]:
             values = [s[name] for s in samples]
@@ -182,6 +192,8 @@ def stream(
     ``resampled`` (multi-node training), each worker draws shards with replacement and
     ``batches_per_epoch`` (per worker) keeps batch counts equal on every rank.
     """
+    import webdataset as wds
+
     sizes = read_sizes(shard_dir)
     urls = [str(Path(shard_dir) / name) for name in shard_names(sizes, split)]
     if not urls:
