@@ -149,38 +149,54 @@ class BlockShuffleLoader(IterableDataset):
             emitted += 1
 
     def _batches(self, blocks: list[np.ndarray], rng: np.random.Generator) -> Iterator[dict]:
+        """Fill a buffer with whole blocks, shuffle it, emit batches, carry the remainder.
+
+        The buffer holds blocks as they were read (for a local uncompressed store, views
+        of the mapped shard files) plus ``refs``, one ``(block, row)`` pair per sample; a
+        batch is gathered from them in one copy, as a memmap fancy-index would be.
+        """
         store, bs = self.store, self.batch_size
-        buffer: dict[str, list] = {name: [] for name in self.fields}
-        buffer_index: list[int] = []
+        held: list[tuple[dict, np.ndarray]] = []  # (fields of a block, sample indices)
+        refs = np.empty((0, 2), dtype=np.int64)
         for k, block in enumerate(blocks):
             lo, hi = int(block[0]), int(block[-1]) + 1
-            data = store.read(lo, hi, self.fields)  # one contiguous read per block
+            data = store.read(lo, hi, self.fields, copy=False)  # one contiguous read
             rows = block - lo
-            for name in self.fields:
-                if name in self.ragged:
-                    buffer[name].extend(data[name][r] for r in rows)
-                else:
-                    buffer[name].append(data[name][rows])
-            buffer_index.extend(block.tolist())
+            refs = np.concatenate([refs, np.stack([np.full(len(rows), len(held)), rows], 1)])
+            held.append((data, np.arange(lo, hi)))
             last = k == len(blocks) - 1
-            if len(buffer_index) < self.buffer_size and not last:
+            if len(refs) < self.buffer_size and not last:
                 continue
-            # at this point the buffer holds >= buffer_size samples (or the last ones)
-            perm = rng.permutation(len(buffer_index))
-            dense = {n: np.concatenate(v) for n, v in buffer.items() if n not in self.ragged}
-            n_full = len(perm) // bs * bs
-            take = perm if last else perm[:n_full]
-            for start in range(0, len(take), bs):
-                sel = take[start : start + bs]
-                if len(sel) < bs and self.drop_last:
+            # at this point the buffer holds >= buffer_size samples (or the epoch's last ones)
+            refs = refs[rng.permutation(len(refs))]
+            n_full = len(refs) // bs * bs
+            for start in range(0, len(refs) if last else n_full, bs):
+                chosen = refs[start : start + bs]
+                if len(chosen) < bs and self.drop_last:
                     break
-                samples = {n: dense[n][sel] for n in dense}
-                samples.update({n: [buffer[n][i] for i in sel] for n in self.ragged})
-                yield collate(samples, np.asarray(buffer_index)[sel], self.ragged)
-            rest = perm[n_full:]  # fewer than a batch: carried into the next buffer
-            for n in self.fields:
-                if n in self.ragged:
-                    buffer[n] = [buffer[n][i] for i in rest]
-                else:
-                    buffer[n] = [dense[n][rest]]
-            buffer_index = [buffer_index[i] for i in rest]
+                yield collate(*self._gather(held, chosen), self.ragged)
+            # fewer than a batch left: copy them out, so the blocks can be released
+            carry = refs[n_full:]
+            held = [self._gather(held, carry)]
+            refs = np.stack([np.zeros(len(carry), np.int64), np.arange(len(carry))], 1)
+
+    def _gather(self, held, refs: np.ndarray) -> tuple[dict, np.ndarray]:
+        """Samples ``refs`` (block, row) of the held blocks, copied into fresh arrays, and
+        their store indices. Rows are taken block by block (a batch is a random set; its
+        order inside does not matter), one fancy-indexed copy per block."""
+        refs = refs[np.lexsort((refs[:, 1], refs[:, 0]))]
+        blocks, starts, counts = np.unique(refs[:, 0], return_index=True, return_counts=True)
+        spans = list(zip(blocks, starts, starts + counts, strict=True))
+        out: dict = {}
+        for name in self.fields:
+            if name in self.ragged:
+                out[name] = [held[b][0][name][r] for b, r in refs]
+                continue
+            first = held[0][0][name]
+            array = np.empty((len(refs), *first.shape[1:]), dtype=first.dtype)
+            for b, lo, hi in spans:  # one copy, straight into the batch
+                # mode="clip": rows are valid by construction, and "raise" buffers the copy
+                np.take(held[b][0][name], refs[lo:hi, 1], axis=0, out=array[lo:hi], mode="clip")
+            out[name] = array
+        index = [held[b][1][refs[lo:hi, 1]] for b, lo, hi in spans]
+        return out, np.concatenate(index or [np.empty(0)]).astype(np.int64)

@@ -3,11 +3,12 @@
 The only code that knows the shard layout. Each sample (one image) holds::
 
     __key__                    image key, with '.' replaced (WebDataset splits names at dots)
-    key.txt                    the image key as in the manifest
-    captions.json              list of captions
-    label.cls                  class index (datasets with labels)
-    gt_boxes.npy, gt_names.json   ground-truth boxes (datasets with boxes)
+    meta.json                  {"key", "captions", "label", "gt_names"}: the manifest row
+    gt_boxes.npy               ground-truth boxes (datasets with boxes)
     <store>.<field>.npy        each field of each packed store, e.g. regions.features.npy
+
+Few members per sample (tar parsing is per member) and standard ``.npy`` members, so any
+WebDataset reader can use the shards; :func:`stream` reads only the members it is asked for.
 
 Shards are ``{split}-{index:06d}.tar`` with fixed tar mtimes (identical inputs give identical
 bytes, so DVC caches them), and ``sizes.json`` maps each shard name to its sample count.
@@ -106,16 +107,15 @@ def _read_stores(stores: Mapping[str, Store], keys: list[str]) -> dict[str, list
 
 
 def _sample(row: dict, features: dict) -> dict:
-    sample = {
-        "__key__": _safe_key(row["key"]),
-        "key.txt": row["key"],
-        "captions.json": json.dumps(row["captions"]),
+    meta = {
+        "key": row["key"],
+        "captions": row["captions"],
+        "label": row["label"],
+        "gt_names": row["box_names"],
     }
-    if row["label"] is not None:
-        sample["label.cls"] = row["label"]
+    sample = {"__key__": _safe_key(row["key"]), "meta.json": json.dumps(meta)}
     if row["boxes"] is not None:
         sample["gt_boxes.npy"] = np.asarray(row["boxes"], dtype=np.float32)
-        sample["gt_names.json"] = json.dumps(row["box_names"])
     for name, value in features.items():
         sample[f"{name}.npy"] = np.asarray(value)
     return sample
@@ -132,22 +132,48 @@ def read_sizes(shard_dir: str | Path) -> dict[str, int]:
 # --------------------------------------------------------------------------- streaming
 
 
-class ToDict:
-    """Decoded WebDataset sample -> flat dict of the requested fields (picklable)."""
+_NPY_HEADER = re.compile(
+    rb"\{'descr': '([<>|][a-z]\d+)', 'fortran_order': False, 'shape': \(([\d, ]*)\), \}"
+)
 
-    def __init__(self, fields: list[str] | None):
-        self.fields = fields
+
+def decode_npy(data: bytes) -> np.ndarray:
+    """``.npy`` bytes -> array without copying the data (numpy's own reader parses the
+    header with ``ast`` and copies; this is the hot path of streaming)."""
+    if data[:6] == b"\x93NUMPY" and data[6] == 1:
+        header_len = int.from_bytes(data[8:10], "little")
+        match = _NPY_HEADER.match(data[10 : 10 + header_len])
+        if match:
+            shape = tuple(int(d) for d in match.group(2).split(b",") if d.strip())
+            return np.frombuffer(
+                data, np.dtype(match.group(1).decode()), offset=10 + header_len
+            ).reshape(shape)
+    import io
+
+    return np.load(io.BytesIO(data))
+
+
+class ToDict:
+    """Raw WebDataset sample -> dict of the manifest row and the decoded arrays (picklable)."""
 
     def __call__(self, sample: dict) -> dict:
-        out = {"key": sample["key.txt"], "captions": sample["captions.json"]}
-        if "label.cls" in sample:
-            out["label"] = sample["label.cls"]
+        out = json.loads(sample["meta.json"])
+        if out["label"] is None:
+            del out["label"]
         for name, value in sample.items():
             if name.endswith(".npy"):
-                field = name[: -len(".npy")]
-                if self.fields is None or field in self.fields:
-                    out[field] = value
+                out[name[: -len(".npy")]] = decode_npy(value)
         return out
+
+
+class SelectFiles:
+    """Which tar members to read: the metadata and the requested fields (picklable)."""
+
+    def __init__(self, fields: list[str] | None):
+        self.keep = None if fields is None else {"meta.json", *(f"{f}.npy" for f in fields)}
+
+    def __call__(self, name: str) -> bool:
+        return self.keep is None or name.split(".", 1)[-1] in self.keep
 
 
 class Collate:
@@ -208,10 +234,11 @@ def stream(
             wds.split_by_worker,  # ... and this worker's
         ]
     stages += [
-        wds.tarfile_to_samples(),  # at this point we have raw samples: {"key.txt": b"..."}
+        # at this point we have shard URLs; read only the members asked for
+        wds.tarfile_to_samples(select_files=SelectFiles(fields)),
+        # at this point we have raw samples: {"__key__": ..., "meta.json": b"...", ...}
         wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100)),
-        wds.decode(),  # .npy -> ndarray, .json -> objects, .cls -> int, .txt -> str
-        wds.map(ToDict(fields)),
+        wds.map(ToDict()),  # -> {"key", "captions", "label", "<store>.<field>": ndarray}
         wds.batched(batch_size, collation_fn=Collate(), partial=not resampled),
     ]
     pipeline = wds.DataPipeline(*stages)

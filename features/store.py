@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 from pydantic import Field as PydanticField
+from pydantic import model_validator
 
 from features.config import Section
 
@@ -57,6 +58,15 @@ class StoreConfig(Section):
     samples_per_shard: int = PydanticField(256, ge=1)
     samples_per_chunk: int = PydanticField(64, ge=1)
     compression: Literal["none", "zstd"] = "none"
+
+    @model_validator(mode="after")
+    def _chunks_tile_shards(self) -> StoreConfig:
+        if self.samples_per_shard % self.samples_per_chunk:
+            raise ValueError(
+                f"samples_per_shard ({self.samples_per_shard}) must be a multiple of "
+                f"samples_per_chunk ({self.samples_per_chunk})"
+            )
+        return self
 
 
 class StoreError(RuntimeError):
@@ -286,7 +296,7 @@ class StoreWriter:
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
         group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
-        chunk = min(cfg.samples_per_chunk, cfg.samples_per_shard)
+        chunk = cfg.samples_per_chunk
         for name, spec in self.fields.items():
             if spec.ragged:
                 rows_chunk = chunk * RAGGED_ROWS_PER_SAMPLE
@@ -474,6 +484,7 @@ class Store:
     storage_options: dict | None = None
     _key_index: dict[str, int] | None = field(default=None, repr=False)
     _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _maps: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(
@@ -574,8 +585,14 @@ class Store:
             self._offsets[name] = np.append(starts, self.group[name].shape[0]).astype(np.int64)
         return self._offsets[name]
 
-    def read(self, start: int, stop: int, fields: Sequence[str] | None = None) -> dict:
-        """Fields of samples ``start:stop``; a ragged field comes as a list of arrays."""
+    def read(
+        self, start: int, stop: int, fields: Sequence[str] | None = None, *, copy: bool = True
+    ) -> dict:
+        """Fields of samples ``start:stop``; a ragged field comes as a list of arrays.
+
+        With ``copy=False`` dense fields of a local, uncompressed store may come back as
+        read-only views of the memory-mapped shard files (what the training loader uses).
+        """
         self._check_committed(start, stop)
         out: dict[str, Any] = {}
         for name in fields or self.fields:
@@ -585,9 +602,43 @@ class Store:
                 flat = self.group[name][offsets[start] : offsets[stop]]
                 cuts = offsets[start : stop + 1] - offsets[start]
                 out[name] = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            elif self._mappable:
+                view = self._mapped(name, spec, start, stop)
+                out[name] = np.array(view) if copy else view
             else:
                 out[name] = self.group[name][start:stop]
         return out
+
+    @property
+    def _mappable(self) -> bool:
+        """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
+        return self.attrs["layout"]["compression"] == "none" and "://" not in self.url
+
+    def _shard_file(self, name: str, shard: int, ndim: int) -> tuple[np.memmap, np.ndarray]:
+        """A shard file mapped into memory, and its index: (offset, nbytes) per chunk."""
+        cache_key = (name, shard)
+        if cache_key not in self._maps:
+            if len(self._maps) >= 256:  # bound the open mappings
+                self._maps.pop(next(iter(self._maps)))
+            data = np.memmap(Path(self.url) / _chunk_key(name, shard, ndim), np.uint8, "r")
+            n_chunks = self.samples_per_shard // self.samples_per_chunk
+            # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
+            index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
+            self._maps[cache_key] = (data, index)
+        return self._maps[cache_key]
+
+    def _mapped(self, name: str, spec: FieldSpec, start: int, stop: int) -> np.ndarray:
+        chunk, per_shard = self.samples_per_chunk, self.samples_per_shard
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        pieces = []
+        for c in range(start // chunk, (stop - 1) // chunk + 1):
+            shard, inner = divmod(c * chunk, per_shard)
+            data, index = self._shard_file(name, shard, 1 + len(spec.shape))
+            offset, nbytes = (int(v) for v in index[inner // chunk])
+            values = data[offset : offset + nbytes].view(dtype).reshape(chunk, *spec.shape)
+            lo, hi = max(start - c * chunk, 0), min(stop - c * chunk, chunk)
+            pieces.append(values[lo:hi])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def __getitem__(self, item: int | str) -> dict:
         index = self.index(item) if isinstance(item, str) else int(item)
