@@ -223,3 +223,36 @@ def test_cli_ls_info_verify(tmp_path, capsys):
     (tmp_path / "feats" / "regions.zarr" / "boxes/c/1/0/0").write_bytes(b"x")
     assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 1
     assert "boxes/c/1/0/0: corrupt" in capsys.readouterr().out
+
+
+def test_memory_mapped_reads_equal_zarr_reads(tmp_path):
+    job.run(tmp_path / "s.zarr", "regions", 37, 8)  # chunks of 4 inside shards of 8
+    store = Store.open(tmp_path / "s.zarr")
+    assert store._mappable
+    group = zarr.open_group(tmp_path / "s.zarr", mode="r")
+    for start, stop in [(0, 37), (3, 13), (8, 16), (35, 37), (6, 7)]:
+        got = store.read(start, stop, copy=False)
+        for name in ("features", "boxes", "n_regions", "image_hw"):
+            np.testing.assert_array_equal(got[name], group[name][start:stop])
+    assert not store.read(0, 4, copy=False)["features"].flags.writeable
+    assert store.read(0, 4)["features"].flags.writeable  # copies by default
+
+
+def test_compressed_store_reads_through_zarr(tmp_path):
+    keys = [f"k{i}" for i in range(20)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4, compression="zstd")
+    data = np.random.default_rng(0).standard_normal((20, 3, 5)).astype(np.float16)
+    with StoreWriter(
+        tmp_path / "z.zarr",
+        "x",
+        {"f": job.regions_fields(3, 5)["features"]},
+        keys,
+        job.PROVENANCE,
+        cfg,
+    ) as w:
+        for shard in w.pending_shards():
+            start, stop = w.shard_range(shard)
+            w.write_shard(shard, {"f": data[start:stop]})
+    store = Store.open(tmp_path / "z.zarr")
+    assert not store._mappable and store.verify() == []
+    np.testing.assert_array_equal(store.read(2, 19)["f"], data[2:19])
