@@ -368,16 +368,20 @@ class StoreWriter:
     def pending_shards(self) -> list[int]:
         return [k for k in range(self.n_shards) if k not in self.committed]
 
-    def write_shard(self, shard: int, data: Mapping[str, Any]) -> None:
+    def write_shard(
+        self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
+    ) -> None:
         """Write all fields of ``shard`` then its commit marker.
 
         ``data[name]`` is an array of shape ``(stop - start, *shape)`` for a dense field, or
-        a list of ``(rows_i, *shape)`` arrays, one per sample, for a ragged field.
+        a list of ``(rows_i, *shape)`` arrays, one per sample, for a ragged field. ``notes``
+        (JSON-able, e.g. the shard's bad inputs) are kept in the marker, so they survive a
+        crash with the shard they describe.
         """
         with _write_every_chunk():
-            self._write_shard(shard, data)
+            self._write_shard(shard, data, dict(notes or {}))
 
-    def _write_shard(self, shard: int, data: Mapping[str, Any]) -> None:
+    def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
         start, stop = self.shard_range(shard)
         if set(data) != set(self.fields):
             raise StoreError(
@@ -406,7 +410,14 @@ class StoreWriter:
             files[_chunk_key(name, shard, array.ndim)] = ""
         for rel in files:
             files[rel] = sha256_bytes((self.path / rel).read_bytes())
-        marker = {"shard": shard, "start": start, "stop": stop, "rows": rows, "files": files}
+        marker = {
+            "shard": shard,
+            "start": start,
+            "stop": stop,
+            "rows": rows,
+            "files": files,
+            "notes": notes,
+        }
         self.commits[shard] = json.dumps(marker, sort_keys=True)
         self.committed.add(shard)
 
@@ -436,6 +447,20 @@ class StoreWriter:
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
                 files[_chunk_key(name, index, values.ndim)] = ""
         return [int(first), int(last)]
+
+    def write_extra(self, name: str, array: np.ndarray) -> None:
+        """A store-level array that is not per sample (e.g. a fitted projection), one file,
+        checksummed like the shards."""
+        array = np.asarray(array)
+        extra = self.group.create_array(
+            name, shape=array.shape, dtype=array.dtype, chunks=array.shape or (1,), overwrite=True
+        )
+        extra[...] = array
+        rel = "/".join([name, "c"] + ["0"] * array.ndim) if array.ndim else f"{name}/c"
+        attrs = dict(self.group.attrs["vse"])
+        attrs.setdefault("extras", {})[name] = sha256_bytes((self.path / rel).read_bytes())
+        attrs["extras_files"] = {**attrs.get("extras_files", {}), name: rel}
+        self.group.attrs["vse"] = attrs
 
     def _finalize(self) -> None:
         attrs = dict(self.group.attrs["vse"])
@@ -567,6 +592,20 @@ class Store:
     def markers(self) -> list[dict | None]:
         return [json.loads(m) if m else None for m in self.group[COMMITS][:]]
 
+    def extra(self, name: str) -> np.ndarray:
+        """A store-level array written with ``StoreWriter.write_extra``."""
+        if name not in self.attrs.get("extras", {}):
+            raise StoreError(f"{self.url}: no store-level array {name!r}")
+        return self.group[name][...]
+
+    def notes(self) -> dict[str, Any]:
+        """The notes of all committed shards merged (e.g. every bad input by key)."""
+        merged: dict[str, Any] = {}
+        for marker in self.markers():
+            if marker:
+                merged.update(marker.get("notes", {}))
+        return merged
+
     # -- reading
 
     def _check_committed(self, start: int, stop: int) -> None:
@@ -682,6 +721,8 @@ class Store:
                 problems.append(f"shard {k}: not committed (store incomplete)")
                 continue
             expected.update(marker["files"])  # later shards hold the final ragged checksums
+        for name, digest in self.attrs.get("extras", {}).items():
+            expected[self.attrs["extras_files"][name]] = digest
         for rel, digest in sorted(expected.items()):
             try:
                 data = fs.cat_file(f"{root}/{rel}")

@@ -28,7 +28,7 @@ def _progress(desc: str, unit: str = "img"):
 
 def cmd_params(args: argparse.Namespace, params: Params) -> int:
     """Print the validated params, defaults filled in."""
-    print(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False), end="")
+    print(yaml.safe_dump(params.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
     return 0
 
 
@@ -238,6 +238,108 @@ def cmd_export_precomp(args: argparse.Namespace, params: Params | None) -> int:
     return 0
 
 
+def _report_bad_images(
+    store_path: Path, errors: Path, metrics: Path, n: int, limit: float, extra: dict
+) -> None:
+    """Errors CSV and metrics JSON of an extraction stage; too many errors fail it."""
+    from features.extract import bad_images
+    from features.ingest import Report
+
+    report = Report(records_read=n, records_kept=n)
+    for key, (reason, detail) in sorted(bad_images(store_path).items()):
+        report.error(key, reason, detail)
+    from features.ingest import write_errors
+
+    write_errors(report, errors)
+    counts: dict[str, int] = {}
+    for issue in report.errors:
+        counts[issue.reason] = counts.get(issue.reason, 0) + 1
+    summary = {
+        "images": n,
+        "bad_images": len(report.errors),
+        "error_fraction": round(report.error_fraction, 6),
+        "counts": counts,
+        **extra,
+    }
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps(summary, indent=2) + "\n")
+    listing = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
+    print(f"extract: bad images: {listing} (report: {errors})")
+    if report.error_fraction > limit:
+        raise IngestError(
+            f"{len(report.errors)} of {n} images ({report.error_fraction:.2%}) could not be "
+            f"used, more than max_error_fraction = {limit:.2%}; see {errors}"
+        )
+
+
+def cmd_extract_images(args: argparse.Namespace, params: Params) -> int:
+    import warnings
+
+    from features import visual
+    from features.extract import extract_images
+    from features.ingest import read_manifest
+
+    manifest = read_manifest(Path(args.manifest))
+    if args.command_name == "regions":
+        cfg = params.regions
+        device = visual.resolve_device(cfg.device)
+        if cfg.backend == "detectron2":
+            from features.detectron2_backend import build_detectron2_extractor
+
+            extractor = build_detectron2_extractor(cfg, device)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                model = visual.build_detector(cfg)
+            extractor = visual.RegionExtractor(model, cfg, device)
+    else:
+        cfg = params.grid
+        device = visual.resolve_device(cfg.device)
+        extractor = visual.GridExtractor(visual.build_trunk(cfg), cfg, device)
+    print(f"extract {args.command_name}: {extractor.name} on {device}, {len(manifest)} images")
+    timing = extract_images(
+        extractor,
+        manifest,
+        Path(args.images),
+        Path(args.out),
+        cfg,
+        params.store,
+        progress=lambda total: tqdm(
+            total=total, desc=args.command_name, unit="img", mininterval=1.0, dynamic_ncols=True
+        ),
+    )
+    print(f"extract {args.command_name}: {timing.summary()}")
+    _report_bad_images(
+        Path(args.out),
+        Path(args.errors),
+        Path(args.metrics),
+        len(manifest),
+        cfg.max_error_fraction,
+        {
+            "images_per_s": round(timing.images / max(timing.seconds, 1e-9), 2),
+            "seconds": {
+                "read": round(timing.read, 2),
+                "infer": round(timing.infer, 2),
+                "write": round(timing.write, 2),
+            },
+        },
+    )
+    return 0
+
+
+def cmd_extract_global(args: argparse.Namespace, params: Params) -> int:
+    from features.extract import extract_global
+    from features.ingest import read_manifest
+
+    manifest = read_manifest(Path(args.manifest))
+    store = extract_global(
+        Path(args.grid), manifest, Path(args.out), params.global_.projection_dim, params.store
+    )
+    dims = ", ".join(f"{k} {v.shape}" for k, v in store.fields.items())
+    print(f"extract global: {len(store)} images -> {args.out} ({dims})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vse",
@@ -276,6 +378,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", required=True, help="CSV of every problem: key, reason, detail")
     p.add_argument("--metrics", required=True, help="JSON of counts (a DVC metrics file)")
     p.set_defaults(func=cmd_prepare)
+
+    extract = commands.add_parser("extract", help="extract features into feature stores")
+    extract_commands = extract.add_subparsers(
+        dest="extract_command", required=True, metavar="COMMAND"
+    )
+    for name, text in (
+        ("regions", "Faster R-CNN region features, bottom-up-attention style (params: regions)"),
+        ("grid", "ResNet conv5 grid features and their pooled mean (params: grid)"),
+    ):
+        p = extract_commands.add_parser(name, help=text, description=text)
+        p.add_argument("--manifest", required=True, help="manifest parquet (vse prepare)")
+        p.add_argument("--images", required=True, help="images root of the manifest")
+        p.add_argument("--out", required=True, help="store to write (resumed if partial)")
+        p.add_argument("--errors", required=True, help="CSV of images that could not be used")
+        p.add_argument("--metrics", required=True, help="JSON of counts and throughput")
+        p.set_defaults(func=cmd_extract_images, command_name=name)
+    p = extract_commands.add_parser(
+        "global", help="global pooled features + PCA projection fitted on train (params: global)"
+    )
+    p.add_argument("--grid", required=True, help="grid store (vse extract grid)")
+    p.add_argument("--manifest", required=True, help="manifest parquet")
+    p.add_argument("--out", required=True, help="global store to write")
+    p.set_defaults(func=cmd_extract_global)
 
     shards = commands.add_parser("shards", help="WebDataset training shards")
     shards_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="COMMAND")

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from features.config import ConfigError, Section, format_errors
 from features.demo import DemoConfig
 from features.ingest import PrepareConfig
 from features.shards import ShardsConfig
 from features.store import StoreConfig
+from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
 
 
 class Params(Section):
@@ -26,6 +27,9 @@ class Params(Section):
     prepare: PrepareConfig = PrepareConfig()
     store: StoreConfig = StoreConfig()
     shards: ShardsConfig = ShardsConfig()
+    regions: RegionsConfig = RegionsConfig()
+    grid: GridConfig = GridConfig()
+    global_: GlobalConfig = Field(GlobalConfig(), alias="global")
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -1,0 +1,218 @@
+"""Image feature extraction: reader -> mapper -> writer.
+
+- reader: DataLoader workers decode each image (:func:`features.images.load_image`) and
+  run the extractor's ``prepare`` (resize, normalise), overlapped with inference;
+- mapper: the extractor, batched, on the device;
+- writer: the feature store, one shard at a time; a bad image gets an empty record
+  (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
+
+Only pending shards are read: a rerun after a crash continues where the last committed
+shard ended. Each phase (read = waiting for decoded batches, infer, write) is timed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from features.images import BadImage, load_image
+from features.ingest import Manifest
+from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
+from features.visual import EXTRACTOR_VERSION, weights_digest
+from features.visual_config import ExtractConfig
+
+
+class Extractor(Protocol):
+    kind: str
+    name: str
+    device: torch.device
+
+    def fields(self) -> dict[str, FieldSpec]: ...
+    def prepare(self, image, row: dict) -> dict[str, Any]: ...
+    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]: ...
+    def empty(self) -> dict[str, np.ndarray]: ...
+    def provenance_params(self) -> dict: ...
+
+
+class ImageItems(Dataset):
+    """Manifest rows -> prepared items, or the reason an image could not be used."""
+
+    def __init__(
+        self, rows: list[dict], indices: list[int], images_root: Path, prepare, max_pixels: int
+    ):
+        self.rows, self.indices = rows, indices
+        self.images_root, self.prepare, self.max_pixels = images_root, prepare, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        try:
+            image = load_image(self.images_root / row["path"], self.max_pixels)
+            item = self.prepare(image, row)
+            item["error"] = None
+        except BadImage as err:
+            item = {"error": (err.reason, err.detail)}
+        item["index"] = self.indices[i]
+        return item
+
+
+def keep_list(items: list[dict]) -> list[dict]:
+    """DataLoader collate: images differ in size, the extractor batches them itself."""
+    return items
+
+
+@dataclass
+class Timing:
+    read: float = 0.0
+    infer: float = 0.0
+    write: float = 0.0
+    images: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.images / max(self.seconds, 1e-9)
+        return (
+            f"{self.images} images in {self.seconds:.1f} s ({rate:.1f} img/s); read "
+            f"{self.read:.1f} s, infer {self.infer:.1f} s, write {self.write:.1f} s"
+        )
+
+
+def extract_images(
+    extractor: Extractor,
+    manifest: Manifest,
+    images_root: Path,
+    store_path: Path,
+    cfg: ExtractConfig,
+    store_cfg: StoreConfig,
+    log: Callable[[str], None] = print,
+    progress: Callable | None = None,
+) -> Timing:
+    """Fill the store at ``store_path`` with the extractor's features for every manifest
+    image (resuming a partial store); returns the per-phase timing."""
+    rows = manifest.table.to_pylist()
+    fields = {**extractor.fields(), "valid": FieldSpec((), "uint8")}
+    provenance = Provenance(
+        extractor.name,
+        EXTRACTOR_VERSION,
+        extractor.provenance_params(),
+        weights_digest(cfg.weights, cfg.seed),
+        manifest.digest,
+    )
+    timing = Timing()
+    start_all = time.perf_counter()
+    with StoreWriter(
+        store_path, extractor.kind, fields, [r["key"] for r in rows], provenance, store_cfg, log=log
+    ) as writer:
+        pending = writer.pending_shards()
+        order = [i for shard in pending for i in range(*writer.shard_range(shard))]
+        loader = DataLoader(
+            ImageItems(
+                [rows[i] for i in order], order, images_root, extractor.prepare, cfg.max_pixels
+            ),
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            collate_fn=keep_list,
+            pin_memory=extractor.device.type == "cuda",
+        )
+        done: dict[int, dict] = {}
+        notes: dict[str, list[str]] = {}
+        bar = progress(total=len(order)) if progress else None
+        batches = iter(loader)
+        while True:
+            tick = time.perf_counter()
+            batch = next(batches, None)
+            timing.read += time.perf_counter() - tick
+            if batch is None:
+                break
+            good = [item for item in batch if item["error"] is None]
+            tick = time.perf_counter()
+            results = extractor(good) if good else []
+            timing.infer += time.perf_counter() - tick
+            for item, result in zip(good, results, strict=True):
+                done[item["index"]] = {**result, "valid": np.uint8(1)}
+            for item in batch:
+                if item["error"] is not None:
+                    done[item["index"]] = {**extractor.empty(), "valid": np.uint8(0)}
+                    notes[rows[item["index"]]["key"]] = list(item["error"])
+            tick = time.perf_counter()
+            while pending and all(i in done for i in range(*writer.shard_range(pending[0]))):
+                shard = pending.pop(0)
+                lo, hi = writer.shard_range(shard)
+                records = [done.pop(i) for i in range(lo, hi)]
+                data = {name: np.stack([r[name] for r in records]) for name in fields}
+                keys = {rows[i]["key"] for i in range(lo, hi)}
+                writer.write_shard(shard, data, {k: v for k, v in notes.items() if k in keys})
+            timing.write += time.perf_counter() - tick
+            timing.images += len(batch)
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+    timing.seconds = time.perf_counter() - start_all
+    return timing
+
+
+def bad_images(store_path: Path) -> dict[str, list[str]]:
+    """Every image the store could not use: key -> [reason, detail] (from all runs)."""
+    return Store.open(store_path).notes()
+
+
+def extract_global(
+    grid_path: Path,
+    manifest: Manifest,
+    store_path: Path,
+    projection_dim: int,
+    store_cfg: StoreConfig,
+    log: Callable[[str], None] = print,
+) -> Store:
+    """Global store from a grid store's pooled conv5 features: ``features`` (N, 2048) and,
+    if ``projection_dim``, ``projected`` (N, dim) by a PCA fitted on the train split only.
+    The PCA mean and axes are kept in the store (``extra("pca_mean")``, ``"pca_axes"``)."""
+    from features.visual import fit_pca, project
+
+    grid = Store.open(grid_path, kind="grid", manifest_digest=manifest.digest)
+    pooled = grid.read(0, len(grid), ["pooled", "valid"])
+    features, valid = pooled["pooled"], pooled["valid"].astype(bool)
+    train = np.asarray(manifest.table["split"].to_pylist()) == "train"
+    fields = {
+        "features": FieldSpec((features.shape[1],), "float32"),
+        "valid": FieldSpec((), "uint8"),
+    }
+    if projection_dim:
+        if projection_dim > features.shape[1] or (train & valid).sum() < 2:
+            raise ValueError(
+                f"global.projection_dim {projection_dim}: needs at least 2 valid "
+                f"train images and at most {features.shape[1]} dimensions"
+            )
+        mean, axes = fit_pca(features[train & valid], projection_dim)
+        projected = project(features, mean, axes)
+        projected[~valid] = 0
+        fields["projected"] = FieldSpec((projection_dim,), "float32")
+    provenance = Provenance(
+        "global-pca",
+        EXTRACTOR_VERSION,
+        {"projection_dim": projection_dim},
+        grid.fingerprint,
+        manifest.digest,
+    )
+    keys = manifest.table["key"].to_pylist()
+    with StoreWriter(store_path, "global", fields, keys, provenance, store_cfg, log=log) as w:
+        if projection_dim:
+            w.write_extra("pca_mean", mean.astype(np.float32))
+            w.write_extra("pca_axes", axes.astype(np.float32))
+        for shard in w.pending_shards():
+            lo, hi = w.shard_range(shard)
+            data = {"features": features[lo:hi], "valid": pooled["valid"][lo:hi]}
+            if projection_dim:
+                data["projected"] = projected[lo:hi]
+            w.write_shard(shard, data)
+    return Store.open(store_path)
