@@ -7,13 +7,16 @@
   (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
 
 Only pending shards are read: a rerun after a crash continues where the last committed
-shard ended. Each phase (read = waiting for decoded batches, infer, write) is timed.
+shard ended. Shards are written by a background thread while the next batches run. Each
+phase is timed as what it adds to the wall time: read = waiting for decoded batches,
+infer = the forward passes, write = waiting for a shard write to finish.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -127,6 +130,9 @@ def extract_images(
         notes: dict[str, list[str]] = {}
         bar = progress(total=len(order)) if progress else None
         batches = iter(loader)
+        # shards are written by one background thread (in order), overlapped with inference
+        writes = ThreadPoolExecutor(max_workers=1)
+        last_write: Future | None = None
         while True:
             tick = time.perf_counter()
             batch = next(batches, None)
@@ -143,22 +149,33 @@ def extract_images(
                 if item["error"] is not None:
                     done[item["index"]] = {**extractor.empty(), "valid": np.uint8(0)}
                     notes[rows[item["index"]]["key"]] = list(item["error"])
-            tick = time.perf_counter()
             while pending and all(i in done for i in range(*writer.shard_range(pending[0]))):
                 shard = pending.pop(0)
                 lo, hi = writer.shard_range(shard)
                 records = [done.pop(i) for i in range(lo, hi)]
                 data = {name: np.stack([r[name] for r in records]) for name in fields}
                 keys = {rows[i]["key"] for i in range(lo, hi)}
-                writer.write_shard(shard, data, {k: v for k, v in notes.items() if k in keys})
-            timing.write += time.perf_counter() - tick
+                shard_notes = {k: v for k, v in notes.items() if k in keys}
+                last_write = _wait(last_write, timing)
+                last_write = writes.submit(writer.write_shard, shard, data, shard_notes)
             timing.images += len(batch)
             if bar is not None:
                 bar.update(len(batch))
+        _wait(last_write, timing)
+        writes.shutdown()
         if bar is not None:
             bar.close()
     timing.seconds = time.perf_counter() - start_all
     return timing
+
+
+def _wait(write: Future | None, timing: Timing) -> None:
+    """Wait for the previous shard write (re-raising its error); time spent waiting is
+    what writing costs on top of inference."""
+    if write is not None:
+        tick = time.perf_counter()
+        write.result()
+        timing.write += time.perf_counter() - tick
 
 
 def bad_images(store_path: Path) -> dict[str, list[str]]:
