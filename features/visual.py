@@ -31,7 +31,7 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import batched_nms
 
 from features.store import FieldSpec
-from features.visual_config import GridConfig, RegionsConfig
+from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -96,6 +96,18 @@ def resolve_device(choice: str) -> torch.device:
 def _autocast(device: torch.device):
     """bf16 autocast on CUDA; a no-op on CPU (full precision)."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def zeros(fields: dict[str, FieldSpec]) -> dict[str, np.ndarray]:
+    return {name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in fields.items()}
+
+
+def feature_params(cfg: ExtractConfig) -> dict:
+    """The params that change the features, for the fingerprint (the weights enter as their
+    digest; batch size, workers, device and error threshold do not change a feature)."""
+    return cfg.model_dump(
+        exclude={"batch_size", "num_workers", "device", "weights", "max_error_fraction"}
+    )
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -302,14 +314,10 @@ class RegionExtractor:
 
     def empty(self) -> dict[str, np.ndarray]:
         """The record of an image that could not be read: no regions."""
-        return {
-            name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in self.fields().items()
-        }
+        return zeros(self.fields())
 
     def provenance_params(self) -> dict:
-        return self.cfg.model_dump(
-            exclude={"batch_size", "num_workers", "device", "weights", "max_error_fraction"}
-        )
+        return feature_params(self.cfg)
 
 
 # --------------------------------------------------------------------------- grid
@@ -383,14 +391,10 @@ class GridExtractor:
         ]
 
     def empty(self) -> dict[str, np.ndarray]:
-        return {
-            name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in self.fields().items()
-        }
+        return zeros(self.fields())
 
     def provenance_params(self) -> dict:
-        return self.cfg.model_dump(
-            exclude={"batch_size", "num_workers", "device", "weights", "max_error_fraction"}
-        )
+        return feature_params(self.cfg)
 
 
 # --------------------------------------------------------------------------- global

@@ -243,13 +243,11 @@ def _report_bad_images(
 ) -> None:
     """Errors CSV and metrics JSON of an extraction stage; too many errors fail it."""
     from features.extract import bad_images
-    from features.ingest import Report
+    from features.ingest import Report, write_errors
 
     report = Report(records_read=n, records_kept=n)
     for key, (reason, detail) in sorted(bad_images(store_path).items()):
         report.error(key, reason, detail)
-    from features.ingest import write_errors
-
     write_errors(report, errors)
     counts: dict[str, int] = {}
     for issue in report.errors:
