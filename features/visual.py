@@ -35,6 +35,8 @@ from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# Part of every store fingerprint: bump it with any change that alters extracted features,
+# or a persisted store made by the old code is kept (its fingerprint still matches).
 EXTRACTOR_VERSION = "1"
 
 
