@@ -18,6 +18,7 @@ from tqdm import tqdm
 from features.config import ConfigError
 from features.ingest import IngestError
 from features.store import StoreError
+from features.text_models import TextModelError
 from flows.params import Params, load_params
 
 
@@ -338,6 +339,48 @@ def cmd_extract_global(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def cmd_stats_sbert(args: argparse.Namespace, params: Params) -> int:
+    import numpy as np
+
+    from features.ingest import read_manifest
+    from features.sbert_stats import caption_statistics, plot_histogram
+    from features.text_models import resolve_model
+    from features.visual import resolve_device
+
+    cfg = params.sbert
+    manifest = read_manifest(Path(args.manifest))
+    folder = resolve_model(cfg.model)
+    from sentence_transformers import SentenceTransformer
+
+    device = resolve_device(cfg.device)
+    model = SentenceTransformer(str(folder), device=str(device), local_files_only=True)
+
+    def embed(captions: list[str]) -> np.ndarray:
+        bar = tqdm(total=len(captions), desc="sbert", unit="caption", mininterval=1.0)
+        parts = []
+        for i in range(0, len(captions), cfg.batch_size):
+            batch = captions[i : i + cfg.batch_size]
+            parts.append(model.encode(batch, normalize_embeddings=True, convert_to_numpy=True))
+            bar.update(len(batch))
+        bar.close()
+        return np.concatenate(parts)
+
+    result = caption_statistics(manifest, embed, cfg)
+    for path in (args.metrics, args.histogram, args.png, args.examples):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.metrics).write_text(json.dumps(result["metrics"], indent=2) + "\n")
+    Path(args.histogram).write_text(json.dumps(result["histogram"], indent=1) + "\n")
+    Path(args.examples).write_text(json.dumps(result["extremes"], indent=2) + "\n")
+    plot_histogram(result["histogram"], args.png)
+    for split, m in result["metrics"].items():
+        print(
+            f"sbert: {split}: {m['pairs']} pairs, mean {m.get('mean', 0):.3f}, median "
+            f"{m.get('median', 0):.3f}, below 0: {m.get('fraction_below_0', 0):.1%}"
+        )
+    print(f"sbert: plot {args.png}, most/least consistent images {args.examples}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vse",
@@ -399,6 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="manifest parquet")
     p.add_argument("--out", required=True, help="global store to write")
     p.set_defaults(func=cmd_extract_global)
+
+    stats = commands.add_parser("stats", help="dataset statistics")
+    stats_commands = stats.add_subparsers(dest="stats_command", required=True, metavar="COMMAND")
+    p = stats_commands.add_parser(
+        "sbert",
+        help="Sentence-BERT similarity of captions of the same image (params: sbert)",
+        description="Per image, the cosine similarity of every pair of its captions (MV-VSE "
+        "Fig. 2): metrics per split, a histogram (DVC plot and PNG), extreme images.",
+    )
+    p.add_argument("--manifest", required=True, help="manifest parquet")
+    p.add_argument("--metrics", required=True, help="JSON of summary metrics per split")
+    p.add_argument("--histogram", required=True, help="JSON histogram (a DVC plot)")
+    p.add_argument("--png", required=True, help="PNG of the histogram")
+    p.add_argument("--examples", required=True, help="JSON of most/least consistent images")
+    p.set_defaults(func=cmd_stats_sbert)
 
     shards = commands.add_parser("shards", help="WebDataset training shards")
     shards_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="COMMAND")
@@ -492,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (IngestError, StoreError) as err:
+    except (IngestError, StoreError, TextModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 

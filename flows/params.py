@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 from features.config import ConfigError, Section, format_errors
 from features.demo import DemoConfig
 from features.ingest import PrepareConfig
+from features.sbert_stats import SbertConfig
 from features.shards import ShardsConfig
 from features.store import StoreConfig
 from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
@@ -30,6 +31,7 @@ class Params(Section):
     regions: RegionsConfig = RegionsConfig()
     grid: GridConfig = GridConfig()
     global_: GlobalConfig = Field(GlobalConfig(), alias="global")
+    sbert: SbertConfig = SbertConfig()
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
