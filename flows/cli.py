@@ -339,6 +339,46 @@ def cmd_extract_global(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def cmd_extract_text(args: argparse.Namespace, params: Params) -> int:
+    from features.ingest import read_manifest
+    from features.text import BertTexts, extract_text
+    from features.text_models import model_digest, resolve_model
+    from features.visual import resolve_device
+
+    cfg = params.text
+    manifest = read_manifest(Path(args.manifest))
+    folder = resolve_model(cfg.model)
+    from transformers import AutoModel, AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    encoder = BertTexts(
+        AutoTokenizer.from_pretrained(folder, local_files_only=True),
+        AutoModel.from_pretrained(folder, local_files_only=True),
+        cfg.max_tokens,
+        device,
+    )
+    start = time.perf_counter()
+    vocab = extract_text(
+        manifest,
+        encoder,
+        cfg,
+        model_digest(folder),
+        Path(args.out),
+        params.store,
+        progress=lambda total: tqdm(total=total, desc="text", unit="caption", mininterval=1.0),
+    )
+    Path(args.vocab).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.vocab).write_text(json.dumps(vocab) + "\n")
+    seconds = time.perf_counter() - start
+    n = sum(len(c) for c in manifest.table["captions"].to_pylist())
+    print(
+        f"extract text: {n} captions with {cfg.model} ({encoder.hidden}-d) on {device} in "
+        f"{seconds:.1f} s ({n / seconds:.0f} captions/s); {len(vocab['words'])} words, "
+        f"{len(vocab['tfidf_terms'])} TF-IDF terms -> {args.out}, {args.vocab}"
+    )
+    return 0
+
+
 def cmd_stats_sbert(args: argparse.Namespace, params: Params) -> int:
     import numpy as np
 
@@ -435,6 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--errors", required=True, help="CSV of images that could not be used")
         p.add_argument("--metrics", required=True, help="JSON of counts and throughput")
         p.set_defaults(func=cmd_extract_images, command_name=name)
+    p = extract_commands.add_parser(
+        "text",
+        help="BERT token and HUSE document features, word and TF-IDF vocabularies (params: text)",
+        description="A caption-level store: last-layer token features, WordPiece ids, HUSE "
+        "document features, word ids and sparse TF-IDF, with vocabularies fitted on train.",
+    )
+    p.add_argument("--manifest", required=True, help="manifest parquet")
+    p.add_argument("--out", required=True, help="text store to write (resumed if partial)")
+    p.add_argument("--vocab", required=True, help="JSON of the word and TF-IDF vocabularies")
+    p.set_defaults(func=cmd_extract_text)
     p = extract_commands.add_parser(
         "global", help="global pooled features + PCA projection fitted on train (params: global)"
     )

@@ -18,6 +18,7 @@ from features.ingest import PrepareConfig
 from features.sbert_stats import SbertConfig
 from features.shards import ShardsConfig
 from features.store import StoreConfig
+from features.text import TextConfig
 from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
 
 
@@ -32,6 +33,7 @@ class Params(Section):
     grid: GridConfig = GridConfig()
     global_: GlobalConfig = Field(GlobalConfig(), alias="global")
     sbert: SbertConfig = SbertConfig()
+    text: TextConfig = TextConfig()
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -1,0 +1,266 @@
+"""Language features of every caption, in one caption-level store (keys ``<image>#<i>``).
+
+Fields (ragged ones hold one row per token):
+
+- ``features`` (L, H) float16: frozen BERT last-layer output per WordPiece token,
+  ``[CLS]`` and ``[SEP]`` included (CAMERA's text input, eq. 15);
+- ``wordpiece_ids`` (L,) int32: the WordPiece ids of those tokens (models that fine-tune
+  BERT);
+- ``document`` (4H,) float16: HUSE's text feature (Narayana et al., sec. 4.1.1): each
+  token's last four layers concatenated, averaged over the tokens;
+- ``word_ids`` (W,) int32: ``<start>`` words ``<end>`` in the word vocabulary (GRU text
+  encoders of VSE++, MV-VSE, UniVSE), unknown words as ``<unk>``;
+- ``tfidf_indices`` (K,) int32 and ``tfidf_values`` (K,) float32: the caption's sparse,
+  L2-normalised TF-IDF vector.
+
+The word vocabulary (min count) and the TF-IDF vocabulary and IDF weights are fitted on
+the train split only, and saved (``vocab.json``) beside the store.
+
+Texts longer than BERT's 512-token window (UPMC Food-101 pages, not captions) keep their
+512 most salient tokens, HUSE 4.1.1: a word's salience is its TF-IDF weight where each
+sentence of the text is a document of the corpus (frequency in its sentence times smooth
+inverse sentence frequency); the WordPieces of the most salient words are kept, in text
+order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from pydantic import Field
+
+from features.config import Section
+from features.store import FieldSpec
+
+WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+SENTENCE = re.compile(r"(?<=[.!?])\s+")
+SPECIALS = ("<pad>", "<start>", "<end>", "<unk>")
+TEXT_VERSION = "1"
+
+
+class TextConfig(Section):
+    """``text`` section of params.yaml."""
+
+    model: str = "bert-base-uncased"  # a name or local folder; nothing is downloaded
+    max_tokens: int = Field(512, ge=8)
+    batch_size: int = Field(64, ge=1)
+    device: str = "auto"
+    word_min_count: int = Field(4, ge=1)  # words seen fewer times in train are <unk>
+    tfidf_max_terms: int = Field(10000, ge=1)
+
+
+def words(text: str) -> list[str]:
+    return WORD.findall(text.lower())
+
+
+def build_vocab(train_texts: Sequence[str], min_count: int) -> dict:
+    """Word vocabulary from train texts: specials, then words by count (ties by name)."""
+    counts = Counter(w for t in train_texts for w in words(t))
+    kept = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+    return {"words": [*SPECIALS, *kept], "counts": [0] * len(SPECIALS) + [counts[w] for w in kept]}
+
+
+def word_ids(text: str, index: dict[str, int]) -> np.ndarray:
+    unk = index["<unk>"]
+    return np.array(
+        [index["<start>"], *(index.get(w, unk) for w in words(text)), index["<end>"]],
+        dtype=np.int32,
+    )
+
+
+def fit_tfidf(train_texts: Sequence[str], max_terms: int) -> tuple[list[str], np.ndarray]:
+    """Terms (most frequent ``max_terms`` in train) and smooth IDF weights, as sklearn's
+    ``TfidfVectorizer(smooth_idf=True)``: idf = ln((1 + n) / (1 + df)) + 1."""
+    df = Counter(w for t in train_texts for w in set(words(t)))
+    terms = sorted(df, key=lambda w: (-df[w], w))[:max_terms]
+    terms.sort()
+    n = len(train_texts)
+    idf = np.array([math.log((1 + n) / (1 + df[t])) + 1 for t in terms], dtype=np.float64)
+    return terms, idf
+
+
+def tfidf_vector(text: str, term_index: dict[str, int], idf: np.ndarray):
+    """Sparse L2-normalised TF-IDF of one text: (sorted term indices, values)."""
+    tf = Counter(term_index[w] for w in words(text) if w in term_index)
+    if not tf:
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    idx = np.array(sorted(tf), dtype=np.int32)
+    values = np.array([tf[i] for i in idx], dtype=np.float64) * idf[idx]
+    return idx, (values / np.linalg.norm(values)).astype(np.float32)
+
+
+def word_salience(sentences: list[str]) -> tuple[list[str], list[float]]:
+    """HUSE 4.1.1: the words of a text, in order, each scored by its TF-IDF in its own
+    sentence, where the sentences of the text are the documents of the corpus (smooth
+    IDF, as in :func:`fit_tfidf`)."""
+    sentence_words = [words(s) for s in sentences]
+    n = len(sentence_words)
+    sf = Counter(w for ws in sentence_words for w in set(ws))
+    text_words, scores = [], []
+    for ws in sentence_words:
+        tf = Counter(ws)
+        for w in ws:
+            text_words.append(w)
+            scores.append(tf[w] * (math.log((1 + n) / (1 + sf[w])) + 1))
+    return text_words, scores
+
+
+def fields(hidden: int) -> dict[str, FieldSpec]:
+    return {
+        "features": FieldSpec((hidden,), "float16", ragged=True),
+        "wordpiece_ids": FieldSpec((), "int32", ragged=True),
+        "document": FieldSpec((4 * hidden,), "float16"),
+        "word_ids": FieldSpec((), "int32", ragged=True),
+        "tfidf_indices": FieldSpec((), "int32", ragged=True),
+        "tfidf_values": FieldSpec((), "float32", ragged=True),
+    }
+
+
+class BertTexts:
+    """A frozen BERT-style encoder: per text, last-layer token features, WordPiece ids and
+    the HUSE document feature (mean over tokens of the last four layers, concatenated)."""
+
+    def __init__(self, tokenizer, model, max_tokens: int, device):
+        self.tokenizer, self.model = tokenizer, model.to(device).eval()
+        self.max_tokens = min(max_tokens, getattr(tokenizer, "model_max_length", max_tokens))
+        self.device = device
+        self.hidden = model.config.hidden_size
+
+    def token_ids(self, text: str) -> list[int]:
+        """WordPiece ids with [CLS]/[SEP]; a text over the window keeps its salient words."""
+        tok = self.tokenizer
+        pieces = tok(text, add_special_tokens=False)["input_ids"]
+        budget = self.max_tokens - 2
+        if len(pieces) > budget:
+            pieces = self._salient_pieces(text, budget)
+        return [tok.cls_token_id, *pieces, tok.sep_token_id]
+
+    def _salient_pieces(self, text: str, budget: int) -> list[int]:
+        """The WordPieces of the most salient words that fit in ``budget``, in text order."""
+        text_words, salience = word_salience(SENTENCE.split(text))
+        word_pieces = [self.tokenizer(w, add_special_tokens=False)["input_ids"] for w in text_words]
+        keep, used = set(), 0
+        for i in sorted(range(len(text_words)), key=lambda i: (-salience[i], i)):
+            if used + len(word_pieces[i]) <= budget:
+                keep.add(i)
+                used += len(word_pieces[i])
+        return [p for i in sorted(keep) for p in word_pieces[i]]
+
+    def __call__(self, texts: Sequence[str]) -> list[dict[str, np.ndarray]]:
+        import torch  # here, not at import: the CLI reads TextConfig and should start fast
+
+        ids = [self.token_ids(t) for t in texts]
+        length = max(len(i) for i in ids)
+        batch = torch.zeros((len(ids), length), dtype=torch.long)
+        mask = torch.zeros((len(ids), length), dtype=torch.long)
+        for row, i in enumerate(ids):
+            batch[row, : len(i)] = torch.tensor(i)
+            mask[row, : len(i)] = 1
+        with (
+            torch.no_grad(),
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"),
+        ):
+            out = self.model(
+                input_ids=batch.to(self.device),
+                attention_mask=mask.to(self.device),
+                output_hidden_states=True,
+            )
+        last = out.hidden_states[-1].float().cpu()
+        four = torch.cat([h.float() for h in out.hidden_states[-4:]], dim=-1).cpu()
+        m = mask.unsqueeze(-1).float()
+        document = (four * m).sum(1) / m.sum(1)  # (B, 4H): HUSE mean over tokens
+        return [
+            {
+                "features": last[r, : len(i)].numpy(),
+                "wordpiece_ids": np.array(i, np.int32),
+                "document": document[r].numpy(),
+            }
+            for r, i in enumerate(ids)
+        ]
+
+
+def encode_in_length_order(
+    encoder: Callable[[Sequence[str]], list[dict]],
+    texts: Sequence[str],
+    batch_size: int,
+    lengths: Sequence[int],
+    progress: Callable | None = None,
+) -> list[dict]:
+    """Run ``encoder`` on batches of similar length (less padding), results in text order."""
+    order = np.argsort(lengths, kind="stable")
+    results: list[dict | None] = [None] * len(texts)
+    bar = progress(total=len(texts)) if progress else None
+    for start in range(0, len(order), batch_size):
+        chosen = order[start : start + batch_size]
+        for i, result in zip(chosen, encoder([texts[i] for i in chosen]), strict=True):
+            results[i] = result
+        if bar is not None:
+            bar.update(len(chosen))
+    if bar is not None:
+        bar.close()
+    return results  # type: ignore[return-value]
+
+
+def caption_rows(manifest) -> tuple[list[str], list[str], list[str]]:
+    """Caption keys ``<image>#<i>``, texts and splits, in manifest order."""
+    keys, texts, splits = [], [], []
+    for row in manifest.table.to_pylist():
+        for i, caption in enumerate(row["captions"]):
+            keys.append(f"{row['key']}#{i}")
+            texts.append(caption)
+            splits.append(row["split"])
+    return keys, texts, splits
+
+
+def extract_text(
+    manifest,
+    encoder: BertTexts,
+    cfg: TextConfig,
+    weights: str,
+    store_path,
+    store_cfg,
+    log: Callable[[str], None] = print,
+    progress: Callable | None = None,
+) -> dict:
+    """Fill the caption-level text store (resumable) and return the fitted vocabularies."""
+    from features.store import Provenance, StoreWriter
+
+    keys, texts, splits = caption_rows(manifest)
+    train = [t for t, s in zip(texts, splits, strict=True) if s == "train"]
+    vocab = build_vocab(train, cfg.word_min_count)
+    terms, idf = fit_tfidf(train, cfg.tfidf_max_terms)
+    word_index = {w: i for i, w in enumerate(vocab["words"])}
+    term_index = {t: i for i, t in enumerate(terms)}
+    params = cfg.model_dump(exclude={"batch_size", "device", "model"})
+    provenance = Provenance("text-bert", TEXT_VERSION, params, weights, manifest.digest)
+    bar = progress(total=len(texts)) if progress else None
+    with StoreWriter(
+        store_path, "text", fields(encoder.hidden), keys, provenance, store_cfg, log=log
+    ) as writer:
+        for shard in writer.pending_shards():
+            lo, hi = writer.shard_range(shard)
+            chunk = texts[lo:hi]
+            encoded = encode_in_length_order(
+                encoder, chunk, cfg.batch_size, [len(t) for t in chunk]
+            )
+            sparse = [tfidf_vector(t, term_index, idf) for t in chunk]
+            writer.write_shard(
+                shard,
+                {
+                    "features": [e["features"] for e in encoded],
+                    "wordpiece_ids": [e["wordpiece_ids"] for e in encoded],
+                    "document": np.stack([e["document"] for e in encoded]),
+                    "word_ids": [word_ids(t, word_index) for t in chunk],
+                    "tfidf_indices": [i for i, _ in sparse],
+                    "tfidf_values": [v for _, v in sparse],
+                },
+            )
+            if bar is not None:
+                bar.update(hi - lo)
+    if bar is not None:
+        bar.close()
+    return {**vocab, "tfidf_terms": terms, "idf": [round(float(v), 6) for v in idf]}
