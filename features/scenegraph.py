@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydantic import Field
+
+from features.config import Section
+
 NOUNS = ("NOUN", "PROPN")
 RELATIONAL_NOUNS = {
     "front",
@@ -42,6 +46,13 @@ RELATIONAL_NOUNS = {
 }
 FRAME_NOUNS = {"image", "picture", "photo", "photograph", "view", "shot", "scene"}
 OBJECTS = ("dobj", "obj", "attr", "oprd")
+
+
+class ScenegraphConfig(Section):
+    """``scenegraph`` section of params.yaml."""
+
+    spacy_model: str = "en_core_web_sm"  # a spaCy package name or a pipeline folder
+    batch_size: int = Field(256, ge=1)
 
 
 @dataclass
@@ -228,3 +239,69 @@ class Parser:
         }
         if relation not in graph.relations:
             graph.relations.append(relation)
+
+
+# --------------------------------------------------------------------------- stage
+
+
+def load_spacy(name_or_path: str):
+    """A spaCy pipeline by package name or folder; a missing one says how to get it."""
+    import spacy
+
+    try:
+        return spacy.load(name_or_path)
+    except OSError:
+        raise RuntimeError(
+            f"spaCy pipeline {name_or_path!r} is not installed. Install it where there is "
+            f"network (`python -m spacy download {name_or_path}`, or pip install its wheel "
+            "from the spaCy models releases), or set scenegraph.spacy_model to a local "
+            "pipeline folder (the demo trains one: stage `parser`)."
+        ) from None
+
+
+def parse_captions(
+    nlp, keys: list[str], texts: list[str], batch_size: int = 256, progress=None
+) -> list[dict]:
+    """One row per caption: key, caption and its scene graph (surface forms and lemmas)."""
+    parser = Parser()
+    rows = []
+    docs = nlp.pipe(texts, batch_size=batch_size)
+    for key, text, doc in zip(keys, texts, progress(docs) if progress else docs, strict=True):
+        rows.append({"key": key, "caption": text, **parser(doc).to_json()})
+    return rows
+
+
+def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
+    """Micro precision/recall/F1 of object, attribute and relation tuples, and the
+    fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
+    scores = {}
+    for k, name in enumerate(("objects", "attributes", "relations")):
+        tp = fp = fn = 0
+        for p, g in zip(predicted, gold, strict=True):
+            got, want = p.lemma_tuples()[k], g[k]
+            tp, fp, fn = tp + len(got & want), fp + len(got - want), fn + len(want - got)
+        precision = tp / max(tp + fp, 1)
+        recall = tp / max(tp + fn, 1)
+        scores[name] = {
+            "precision": round(precision, 4),
+            "recall": round(recall, 4),
+            "f1": round(2 * precision * recall / max(precision + recall, 1e-9), 4),
+        }
+    exact = sum(p.lemma_tuples() == g for p, g in zip(predicted, gold, strict=True))
+    scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
+    return scores
+
+
+def negative_vocab(rows: list[dict], splits: list[str]) -> dict[str, dict[str, int]]:
+    """UniVSE's negative-sampling vocabularies from train captions: object nouns,
+    attributes and relations (lemmas) with their counts, most frequent first."""
+    from collections import Counter
+
+    counts = {"nouns": Counter(), "adjectives": Counter(), "relations": Counter()}
+    for row, split in zip(rows, splits, strict=True):
+        if split != "train":
+            continue
+        counts["nouns"].update(o["lemma"] for o in row["objects"])
+        counts["adjectives"].update(a["lemma"] for a in row["attributes"])
+        counts["relations"].update(r["lemma"] for r in row["relations"])
+    return {k: dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) for k, c in counts.items()}

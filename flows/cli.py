@@ -379,6 +379,83 @@ def cmd_extract_text(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def cmd_demo_parser(args: argparse.Namespace, params: Params) -> int:
+    from features import demo_parser
+
+    dataset = json.loads(Path(args.dataset).read_text(encoding="utf-8"))
+    start = time.perf_counter()
+    nlp = demo_parser.train(dataset, params.parser)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    nlp.to_disk(args.out)
+    scores = demo_parser.evaluate(nlp, dataset, "test")
+    Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.metrics).write_text(json.dumps(scores, indent=2) + "\n")
+    g = scores["scene_graph"]
+    print(
+        f"parser: trained in {time.perf_counter() - start:.0f} s -> {args.out}; held-out "
+        f"{scores['captions']} captions: POS {scores['pos_acc']:.3f}, UAS "
+        f"{scores['dep_uas']:.3f}, LAS {scores['dep_las']:.3f}, lemma {scores['lemma_acc']:.3f}; "
+        f"scene-graph F1 objects {g['objects']['f1']:.3f}, attributes "
+        f"{g['attributes']['f1']:.3f}, relations {g['relations']['f1']:.3f}, exact graphs "
+        f"{g['exact_graphs']:.3f}"
+    )
+    return 0
+
+
+def cmd_extract_scenegraph(args: argparse.Namespace, params: Params) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from features.ingest import read_manifest
+    from features.scenegraph import load_spacy, negative_vocab, parse_captions
+    from features.text import caption_rows
+
+    cfg = params.scenegraph
+    manifest = read_manifest(Path(args.manifest))
+    try:
+        nlp = load_spacy(cfg.spacy_model)
+    except RuntimeError as err:
+        raise IngestError(str(err)) from None
+    keys, texts, splits = caption_rows(manifest)
+    start = time.perf_counter()
+    rows = parse_captions(
+        nlp,
+        keys,
+        texts,
+        cfg.batch_size,
+        progress=lambda docs: tqdm(
+            docs, total=len(texts), desc="scenegraph", unit="caption", mininterval=1.0
+        ),
+    )
+    seconds = time.perf_counter() - start
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), args.out)
+    counts = {
+        k: round(sum(len(r[k]) for r in rows) / max(len(rows), 1), 3)
+        for k in ("objects", "attributes", "relations")
+    }
+    summary = {
+        "captions": len(rows),
+        "per_caption": counts,
+        "captions_per_s": round(len(rows) / max(seconds, 1e-9), 1),
+    }
+    Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.metrics).write_text(json.dumps(summary, indent=2) + "\n")
+    vocab = negative_vocab(rows, splits)
+    Path(args.vocab).write_text(json.dumps(vocab, indent=1) + "\n")
+    print(
+        f"scenegraph: negative-sampling vocabularies (train): {len(vocab['nouns'])} nouns, "
+        f"{len(vocab['adjectives'])} adjectives, {len(vocab['relations'])} relations "
+        f"-> {args.vocab}"
+    )
+    print(
+        f"scenegraph: {len(rows)} captions with {cfg.spacy_model} in {seconds:.1f} s; per "
+        f"caption {counts['objects']} objects, {counts['attributes']} attributes, "
+        f"{counts['relations']} relations -> {args.out}"
+    )
+    return 0
+
+
 def cmd_stats_sbert(args: argparse.Namespace, params: Params) -> int:
     import numpy as np
 
@@ -444,6 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo_data)
 
     p = commands.add_parser(
+        "demo-parser",
+        help="train a spaCy tagger/parser/lemmatizer on the demo's gold trees (params: parser)",
+        description="Trains on train-split captions, scores POS, UAS/LAS, lemmas and scene "
+        "graphs on test-split captions, and saves the pipeline.",
+    )
+    p.add_argument("--dataset", required=True, help="demo dataset.json (with gold trees)")
+    p.add_argument("--out", required=True, help="folder for the spaCy pipeline")
+    p.add_argument("--metrics", required=True, help="JSON of held-out accuracies")
+    p.set_defaults(func=cmd_demo_parser)
+
+    p = commands.add_parser(
         "prepare",
         help="validate a raw dataset into the canonical manifest (params: prepare)",
         description="Read Karpathy JSON, UPMC Food-101 or the demo dataset, validate every "
@@ -485,6 +573,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="text store to write (resumed if partial)")
     p.add_argument("--vocab", required=True, help="JSON of the word and TF-IDF vocabularies")
     p.set_defaults(func=cmd_extract_text)
+    p = extract_commands.add_parser(
+        "scenegraph",
+        help="scene graphs of every caption from a spaCy parse (params: scenegraph)",
+        description="Objects, attribute-object pairs and relation triples per caption, by "
+        "rules over a dependency parse (Schuster et al. 2015), to parquet.",
+    )
+    p.add_argument("--manifest", required=True, help="manifest parquet")
+    p.add_argument("--out", required=True, help="parquet of scene graphs, one row per caption")
+    p.add_argument("--metrics", required=True, help="JSON of counts")
+    p.add_argument(
+        "--vocab",
+        required=True,
+        help="JSON of UniVSE negative-sampling vocabularies (train nouns, "
+        "adjectives, relations with counts)",
+    )
+    p.set_defaults(func=cmd_extract_scenegraph)
     p = extract_commands.add_parser(
         "global", help="global pooled features + PCA projection fitted on train (params: global)"
     )

@@ -14,8 +14,10 @@ from pydantic import Field, ValidationError
 
 from features.config import ConfigError, Section, format_errors
 from features.demo import DemoConfig
+from features.demo_parser import ParserConfig
 from features.ingest import PrepareConfig
 from features.sbert_stats import SbertConfig
+from features.scenegraph import ScenegraphConfig
 from features.shards import ShardsConfig
 from features.store import StoreConfig
 from features.text import TextConfig
@@ -34,6 +36,8 @@ class Params(Section):
     global_: GlobalConfig = Field(GlobalConfig(), alias="global")
     sbert: SbertConfig = SbertConfig()
     text: TextConfig = TextConfig()
+    parser: ParserConfig = ParserConfig()
+    scenegraph: ScenegraphConfig = ScenegraphConfig()
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
