@@ -3,7 +3,9 @@
 The only code that knows the shard layout. Each sample (one image) holds::
 
     __key__                    image key, with '.' replaced (WebDataset splits names at dots)
-    meta.json                  {"key", "captions", "label", "gt_names"}: the manifest row
+    meta.json                  {"key", "captions", "label", "gt_names"}: the manifest row,
+                               and per caption "word_ids", "wordpiece_ids" (text store) and
+                               "scene_graphs" when those are packed
     gt_boxes.npy               ground-truth boxes (datasets with boxes)
     <store>.<field>.npy        each field of each packed store, e.g. regions.features.npy
 
@@ -60,11 +62,17 @@ def build_shards(
     out_dir: Path,
     samples_per_shard: int = 1000,
     progress: Callable[[Iterable], Iterable] | None = None,
+    text: Store | None = None,
+    scene_graphs: Mapping[str, dict] | None = None,
 ) -> dict[str, int]:
-    """Write every split's shards and ``sizes.json`` into ``out_dir``; returns the sizes."""
+    """Write every split's shards and ``sizes.json`` into ``out_dir``; returns the sizes.
+
+    ``stores`` are image-level (one row per manifest image). ``text`` is the caption-level
+    text store, whose token ids (``word_ids``, ``wordpiece_ids``) go into each image's
+    ``meta.json`` per caption, as do ``scene_graphs`` (caption key -> graph)."""
     import webdataset as wds
 
-    for name, store in stores.items():
+    for name, store in {**stores, **({"text": text} if text else {})}.items():
         if store.manifest_digest != manifest.digest:
             raise StoreError(
                 f"store {name!r} ({store.url}) was built from manifest "
@@ -86,8 +94,15 @@ def build_shards(
             for start in progress(blocks) if progress else blocks:
                 block = split_rows[start : start + BLOCK]
                 features = _read_stores(stores, [r["key"] for r in block])
+                tokens = _caption_tokens(text, block)
                 for i, row in enumerate(block):
-                    sink.write(_sample(row, {k: v[i] for k, v in features.items()}))
+                    extra = {k: v[i] for k, v in tokens.items()}
+                    if scene_graphs is not None:
+                        extra["scene_graphs"] = [
+                            scene_graphs.get(f"{row['key']}#{j}")
+                            for j in range(len(row["captions"]))
+                        ]
+                    sink.write(_sample(row, {k: v[i] for k, v in features.items()}, extra))
         n = len(split_rows)  # ShardWriter fills each shard to maxcount before the next
         for k in range(-(-n // samples_per_shard)):
             sizes[f"{split}-{k:06d}.tar"] = min(samples_per_shard, n - k * samples_per_shard)
@@ -106,12 +121,29 @@ def _read_stores(stores: Mapping[str, Store], keys: list[str]) -> dict[str, list
     return out
 
 
-def _sample(row: dict, features: dict) -> dict:
+def _caption_tokens(text: Store | None, block: list[dict]) -> dict[str, list]:
+    """Per image of ``block``, per caption, the token ids of the text store."""
+    if text is None:
+        return {}
+    keys = [f"{r['key']}#{j}" for r in block for j in range(len(r["captions"]))]
+    data = text.read_indices([text.index(k) for k in keys], ["word_ids", "wordpiece_ids"])
+    out: dict[str, list] = {"word_ids": [], "wordpiece_ids": []}
+    start = 0
+    for row in block:
+        n = len(row["captions"])
+        for name in out:
+            out[name].append([v.tolist() for v in data[name][start : start + n]])
+        start += n
+    return out
+
+
+def _sample(row: dict, features: dict, extra: dict | None = None) -> dict:
     meta = {
         "key": row["key"],
         "captions": row["captions"],
         "label": row["label"],
         "gt_names": row["box_names"],
+        **(extra or {}),
     }
     sample = {"__key__": _safe_key(row["key"]), "meta.json": json.dumps(meta)}
     if row["boxes"] is not None:

@@ -172,6 +172,15 @@ def cmd_shards_build(args: argparse.Namespace, params: Params) -> int:
         name: Store.open(path, manifest_digest=manifest.digest)
         for name, path in _named_paths(args.store, "--store").items()
     }
+    text = (
+        Store.open(args.text, kind="text", manifest_digest=manifest.digest) if args.text else None
+    )
+    scene_graphs = None
+    if args.scenegraphs:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(args.scenegraphs).to_pylist()
+        scene_graphs = {r.pop("key"): {k: v for k, v in r.items() if k != "caption"} for r in rows}
     start = time.perf_counter()
     sizes = build_shards(
         manifest,
@@ -179,6 +188,8 @@ def cmd_shards_build(args: argparse.Namespace, params: Params) -> int:
         Path(args.out),
         params.shards.samples_per_shard,
         progress=_progress("shards", unit="block"),
+        text=text,
+        scene_graphs=scene_graphs,
     )
     seconds = time.perf_counter() - start
     total = sum(sizes.values())
@@ -629,6 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a feature store to pack, e.g. regions=data/features/regions.zarr (repeatable)",
     )
+    p.add_argument("--text", help="caption-level text store: pack its token ids per caption")
+    p.add_argument("--scenegraphs", help="scene-graph parquet: pack each caption's graph")
     p.set_defaults(func=cmd_shards_build)
 
     store = commands.add_parser(

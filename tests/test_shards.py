@@ -128,3 +128,49 @@ def test_resampled_gives_fixed_epochs(packed):
     pipeline = stream(root / "out", "train", 4, resampled=True, batches_per_epoch=25)
     batches = list(pipeline)
     assert len(batches) == 25 and all(len(b["key"]) == 4 for b in batches)
+
+
+def test_token_ids_and_scene_graphs_per_caption(packed, tmp_path):
+    root, manifest, _ = packed
+    caption_keys = [
+        f"{r['key']}#{j}" for r in manifest.table.to_pylist() for j in range(len(r["captions"]))
+    ]
+    fields = {
+        "word_ids": FieldSpec((), "int32", ragged=True),
+        "wordpiece_ids": FieldSpec((), "int32", ragged=True),
+    }
+    provenance = Provenance("test", "1", {}, None, manifest.digest)
+    with StoreWriter(
+        tmp_path / "text.zarr",
+        "text",
+        fields,
+        caption_keys,
+        provenance,
+        StoreConfig(samples_per_shard=64, samples_per_chunk=16),
+    ) as w:
+        for shard in w.pending_shards():
+            lo, hi = w.shard_range(shard)
+            w.write_shard(
+                shard,
+                {
+                    "word_ids": [np.arange(i % 4 + 1) + i for i in range(lo, hi)],
+                    "wordpiece_ids": [np.array([101, i, 102]) for i in range(lo, hi)],
+                },
+            )
+    graphs = {
+        k: {"objects": [{"lemma": k}], "attributes": [], "relations": []} for k in caption_keys
+    }
+    build_shards(
+        manifest,
+        {},
+        tmp_path / "s",
+        samples_per_shard=7,
+        text=Store.open(tmp_path / "text.zarr"),
+        scene_graphs=graphs,
+    )
+    batch = next(iter(stream(tmp_path / "s", "test", 6, shuffle_buffer=1)))
+    key = batch["key"][0]
+    first = caption_keys.index(f"{key}#0")
+    assert batch["wordpiece_ids"][0][2] == [101, first + 2, 102]
+    assert batch["word_ids"][0][0] == (np.arange(first % 4 + 1) + first).tolist()
+    assert batch["scene_graphs"][0][4]["objects"][0]["lemma"] == f"{key}#4"
