@@ -5,6 +5,7 @@ import spacy
 from spacy.tokens import Doc
 
 from features.demo import DemoConfig, generate_image
+from features.demo_parser import gold_doc, gold_graph
 from features.scenegraph import Parser
 
 VOCAB = spacy.blank("en").vocab
@@ -274,24 +275,8 @@ def test_demo_grammar_graphs_are_recovered_from_gold_trees():
     for i in range(40):
         _, record = generate_image(cfg, "train", i)
         for sentence in record["sentences"]:
-            t = sentence["tree"]
-            gold_doc = Doc(
-                VOCAB,
-                words=t["words"],
-                spaces=t["spaces"],
-                heads=t["heads"],
-                deps=t["deps"],
-                pos=t["pos"],
-                tags=t["tags"],
-                lemmas=t["lemmas"],
-            )
-            g = sentence["scene_graph"]
-            names = g["objects"]
-            expected = (
-                set(names),
-                {(names[o], a) for o, a in g["attributes"]},
-                {(names[s], p, names[o]) for s, p, o in g["relations"]},
-            )
-            assert parse(gold_doc).lemma_tuples() == expected, sentence["raw"]
+            expected = gold_graph(sentence["scene_graph"])
+            graph = parse(gold_doc(VOCAB, sentence["tree"]))
+            assert graph.lemma_tuples() == expected, sentence["raw"]
             views.add(sentence["view"])
     assert views == {"all_objects", "attributes", "relation", "count"}
