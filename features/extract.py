@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from features.config import ConfigError
 from features.images import BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
@@ -206,7 +207,7 @@ def extract_global(
     }
     if projection_dim:
         if projection_dim > features.shape[1] or (train & valid).sum() < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"global.projection_dim {projection_dim}: needs at least 2 valid "
                 f"train images and at most {features.shape[1]} dimensions"
             )

@@ -467,6 +467,21 @@ def cmd_extract_scenegraph(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def cmd_flow(args: argparse.Namespace, params: Params | None) -> int:
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.pipeline import features_flow, pipeline_flow
+
+    overrides = dict(item.split("=", 1) for item in args.set)
+    run = {"features": features_flow, "pipeline": pipeline_flow}[args.name]
+    states = run(
+        root=".", overrides=overrides or None, pull=args.pull, push=args.push, remote=args.remote
+    )
+    print("flow: " + ", ".join(f"{stage} {state}" for stage, state in states.items()))
+    return 0
+
+
 def cmd_stats_sbert(args: argparse.Namespace, params: Params) -> int:
     import numpy as np
 
@@ -607,6 +622,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, help="manifest parquet")
     p.add_argument("--out", required=True, help="global store to write")
     p.set_defaults(func=cmd_extract_global)
+
+    p = commands.add_parser(
+        "flow",
+        help="run DVC stages as a Prefect flow (one task per stage, DVC's lock and cache)",
+        description="features: every feature stage and what it needs; pipeline: the whole "
+        "DAG. With -S, the run is one DVC experiment with those params overridden.",
+    )
+    p.add_argument("name", choices=["features", "pipeline"])
+    p.add_argument(
+        "-S",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a params.yaml key for this run (a DVC experiment)",
+    )
+    p.add_argument("--pull", action="store_true", help="dvc pull before running")
+    p.add_argument("--push", action="store_true", help="dvc push --run-cache after running")
+    p.add_argument("--remote", help="DVC remote for --pull/--push (default: the default one)")
+    p.set_defaults(func=cmd_flow, needs_params=False)
 
     stats = commands.add_parser("stats", help="dataset statistics")
     stats_commands = stats.add_subparsers(dest="stats_command", required=True, metavar="COMMAND")

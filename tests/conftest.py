@@ -1,10 +1,13 @@
 """Shared test setup: offline, no analytics, small fixtures generated in code."""
 
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,3 +22,30 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+def run(cmd, cwd, check=True):
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and result.returncode:
+        raise AssertionError(f"{cmd} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def small_params(repo_root) -> str:
+    """The repository's params.yaml with a 12/4/4 demo dataset."""
+    params = yaml.safe_load((repo_root / "params.yaml").read_text())
+    params["demo"].update(n_train=12, n_val=4, n_test=4)
+    return yaml.safe_dump(params, sort_keys=False)
+
+
+@pytest.fixture
+def project(tmp_path, repo_root):
+    """The repository's files (tracked or not ignored) copied into a new git repo."""
+    files = run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], repo_root)
+    for rel in files.stdout.splitlines():
+        if (repo_root / rel).is_file():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo_root / rel, tmp_path / rel)
+    run(["git", "init", "-q"], tmp_path)
+    (tmp_path / "params.yaml").write_text(small_params(repo_root))
+    return tmp_path

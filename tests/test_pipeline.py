@@ -1,38 +1,8 @@
 """The DVC pipeline end to end, in a copy of the repository with a tiny demo."""
 
 import json
-import shutil
-import subprocess
 
-import pytest
-import yaml
-
-
-def small_params(repo_root) -> str:
-    """The repository's params.yaml with a 12/4/4 demo dataset."""
-    params = yaml.safe_load((repo_root / "params.yaml").read_text())
-    params["demo"].update(n_train=12, n_val=4, n_test=4)
-    return yaml.safe_dump(params, sort_keys=False)
-
-
-def run(cmd, cwd, check=True):
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if check and result.returncode:
-        raise AssertionError(f"{cmd} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-@pytest.fixture
-def project(tmp_path, repo_root):
-    """The repository's files (tracked or not ignored) copied into a new git repo."""
-    files = run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], repo_root)
-    for rel in files.stdout.splitlines():
-        if (repo_root / rel).is_file():
-            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo_root / rel, tmp_path / rel)
-    run(["git", "init", "-q"], tmp_path)
-    (tmp_path / "params.yaml").write_text(small_params(repo_root))
-    return tmp_path
+from conftest import run
 
 
 def test_repro_builds_the_manifest_then_does_nothing(project):
