@@ -28,7 +28,8 @@ def test_dag_order_puts_dependencies_first(repo_root):
         dag_order(repo_root, ["nope"])
 
 
-def test_flow_runs_stages_shares_dvc_lock_and_fails_loudly(harness, project):
+def test_flow_runs_stages_shares_dvc_lock_fails_loudly_and_runs_experiments(harness, project):
+    from features.store import Store
     from flows.pipeline import features_flow, pipeline_flow
 
     states = features_flow(root=str(project))
@@ -50,16 +51,11 @@ def test_flow_runs_stages_shares_dvc_lock_and_fails_loudly(harness, project):
     states = pipeline_flow(root=str(project))
     assert states["global"] == "ran" and states["regions"] == "skipped"
 
-
-def test_overrides_run_as_a_dvc_experiment(harness, project):
-    from features.store import Store
-    from flows.pipeline import features_flow
-
-    run(["dvc", "repro", "global"], project)
+    # overrides run as one recorded DVC experiment (experiments need a git commit)
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@x", "commit", "-qm", "base"], project)
     states = features_flow(root=str(project), overrides={"global.projection_dim": 6})
     assert set(states.values()) == {"experiment"}
     assert Store.open(project / "data/features/global.zarr").fields["projected"].shape == (6,)
     experiments = "".join(run(["dvc", "exp", "show", "--json"], project).stdout.split())
-    assert '"projection_dim":6' in experiments  # the run is recorded as an experiment
+    assert '"projection_dim":6' in experiments

@@ -78,7 +78,8 @@ def test_dataloader_workers_split_blocks(stores):
     loader = BlockShuffleLoader(
         stores / "tokens.zarr", ["features"], 8, block_size=8, buffer_size=16, drop_last=False
     )
-    dl = DataLoader(loader, batch_size=None, num_workers=2)
+    # spawn, not fork: an earlier in-process Prefect run leaves threads that a fork copies
+    dl = DataLoader(loader, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     batches = list(dl)
     seen = sorted(i for b in batches for i in b["index"].tolist())
     assert seen == list(range(N))

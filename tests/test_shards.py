@@ -117,7 +117,12 @@ def test_split_by_node_and_worker(packed, monkeypatch):
     for rank in range(2):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "2")
-        loader = DataLoader(stream(root / "out", "train", 4), batch_size=None, num_workers=2)
+        loader = DataLoader(
+            stream(root / "out", "train", 4),
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context="spawn",
+        )  # see test_loader
         per_rank.append(keys_of(loader))
     assert not set(per_rank[0]) & set(per_rank[1])
     assert len(per_rank[0]) + len(per_rank[1]) == 40
