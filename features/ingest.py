@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
@@ -389,7 +390,7 @@ class Manifest:
         return self.table.num_rows
 
     def split(self, name: str) -> pa.Table:
-        return self.table.filter(pa.compute.equal(self.table["split"], name))
+        return self.table.filter(pc.equal(self.table["split"], name))
 
 
 def read_manifest(path: Path) -> Manifest:
