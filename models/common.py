@@ -1,0 +1,107 @@
+"""The few helpers every model file shares: normalisation, masking, pooling and the
+hardest-negative hinge of VSE++. Repeating a few lines in a model file is preferred to
+growing this module into a base class.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
+from torch import nn
+
+from features.config import Section
+
+
+class TrainConfig(Section):
+    """``train``: the loop settings shared by every model (``models.<name>`` holds each
+    model's own architecture and loss settings)."""
+
+    epochs: PositiveInt = 30
+    batch_size: PositiveInt = 128
+    lr: PositiveFloat = 2e-4
+    lr_decay_epochs: list[PositiveInt] = [15]  # multiply the LR by lr_decay at these epochs
+    lr_decay: PositiveFloat = 0.1
+    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: PositiveFloat = 2.0  # max global L2 norm of the gradients
+    num_workers: int = 0
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_batch_size: PositiveInt = 256
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-8) -> torch.Tensor:
+    """``x / ||x||_2`` along ``dim``."""
+    return x / x.norm(dim=dim, keepdim=True).clamp_min(eps)
+
+
+def cosine_sim(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    """``(n_img, D) x (n_txt, D) -> (n_img, n_txt)`` inner products of normalised vectors."""
+    return l2norm(img) @ l2norm(txt).t()
+
+
+def multiview_sim(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    """``(n_img, V, D) x (n_txt, D) -> (n_img, n_txt)``: the best view per pair (the
+    max-over-views score of MV-VSE eq. 6 and CAMERA eq. 19); inputs already normalised."""
+    return torch.einsum("ivd,td->itv", img, txt).amax(dim=-1)
+
+
+def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``(B,) -> (B, L)`` True at valid positions."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``(B, L, D)`` over the valid positions of ``mask (B, L)``."""
+    mask = mask.to(x.dtype).unsqueeze(-1)
+    return (x * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+def hinge_triplet(scores: torch.Tensor, margin: float, max_violation: bool) -> torch.Tensor:
+    """VSE++ ranking loss: MH (eq. 6) with ``max_violation``, else SH (eq. 5).
+
+    ``scores (B, B)`` holds s(i, c) for image i and caption c, positives on the diagonal.
+    Summed over the batch, as in the paper's reference code: each positive pair adds
+    ``[margin - s(i,c) + s(i,c')]_+`` over negative captions c' and
+    ``[margin - s(i,c) + s(i',c)]_+`` over negative images i' (or only the hardest of each).
+    """
+    diagonal = scores.diag().view(-1, 1)
+    cost_caption = (margin + scores - diagonal).clamp(min=0)  # (B, B): row i, caption c'
+    cost_image = (margin + scores - diagonal.t()).clamp(min=0)  # (B, B): image i', column c
+    eye = torch.eye(scores.size(0), dtype=torch.bool, device=scores.device)
+    cost_caption = cost_caption.masked_fill(eye, 0)
+    cost_image = cost_image.masked_fill(eye, 0)
+    if max_violation:
+        return cost_caption.max(1)[0].sum() + cost_image.max(0)[0].sum()
+    return cost_caption.sum() + cost_image.sum()
+
+
+class GRUText(nn.Module):
+    """Word ids -> embedding -> (Bi)GRU -> the hidden state at each caption's last word.
+
+    Used by VSE++ (one direction: mu(c) of eq. 2) and MV-VSE's BiGRU (directions
+    averaged, as in GPO's reference code; ``pool=False`` returns the per-word states).
+    """
+
+    def __init__(
+        self, vocab_size: int, word_dim: int, embed_size: int, bidirectional: bool = False
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, word_dim, padding_idx=0)
+        self.rnn = nn.GRU(word_dim, embed_size, batch_first=True, bidirectional=bidirectional)
+        self.bidirectional = bidirectional
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+
+    def forward(self, words: torch.Tensor, lengths: torch.Tensor, pool: bool = True):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(words), lengths.cpu().clamp_min(1), batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.rnn(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=words.size(1))
+        if self.bidirectional:  # (B, L, 2D) -> (B, L, D)
+            half = out.size(-1) // 2
+            out = (out[..., :half] + out[..., half:]) / 2
+        if not pool:
+            return out  # (B, L, D)
+        last = (lengths.clamp_min(1) - 1).to(out.device)
+        return out[torch.arange(out.size(0), device=out.device), last]  # (B, D)

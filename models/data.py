@@ -1,0 +1,352 @@
+"""Training and evaluation batches from the feature stores.
+
+Every model reads the same kind of batch: a dict of tensors whose keys depend on what the
+model declares in ``inputs``. Image-side keys are indexed by image, text-side keys by
+caption; a training batch pairs caption ``c`` with its image, so row ``b`` of both sides is
+a positive pair.
+
+Image side::
+
+    image            (B, Di)        global CNN feature (global store)
+    regions          (B, R, Dr)     region features, zero-padded (regions store)
+    region_lengths   (B,)           valid regions
+    boxes            (B, R, 4)      x1, y1, x2, y2 divided by the image width/height
+    grid             (B, G, Dg)     grid features, G = rows * cols (grid store)
+    labels           (B,)           class id (manifest), also given with the text side
+
+Text side::
+
+    words, word_lengths        (B, L), (B,)       <start> w1 .. wn <end> vocabulary ids
+    tokens, token_lengths      (B, T, Dt), (B,)   frozen BERT token features
+    document                   (B, Dd)            HUSE document feature
+    tfidf                      (B, V)             dense TF-IDF vector
+    objects, attributes, relations                (B, N, W) word ids of each scene-graph
+                                                  component's phrase (0-padded), with
+    object_mask, attribute_mask, relation_mask    (B, N)
+    attribute_objects                             (B, N) index of the modified object
+    relation_subjects, relation_objects           (B, N) object indices
+    text_labels                (B,)               class id of the caption's image
+
+``DataInfo`` carries the dimensions a model is built with; it is plain data so that a
+checkpoint can rebuild the model without the stores.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMAGE_INPUTS = frozenset({"image", "regions", "grid", "labels"})
+TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf", "scene_graph", "labels"})
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """Sizes of the inputs a model is built for (0 where the model does not use one)."""
+
+    image_dim: int = 0
+    region_dim: int = 0
+    grid_dim: int = 0
+    token_dim: int = 0
+    document_dim: int = 0
+    vocab_size: int = 0
+    tfidf_dim: int = 0
+    n_classes: int = 0
+    # HUSE's semantic graph A[c, c']: cosine distance between class-name embeddings
+    class_distances: list[list[float]] | None = None
+    # UniVSE's negative-sampling vocabularies as word-id phrases: nouns, adjectives, relations
+    negatives: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FeaturePaths:
+    """Where the stage's inputs are; every path comes from dvc.yaml via the CLI."""
+
+    manifest: Path
+    global_: Path | None = None
+    regions: Path | None = None
+    grid: Path | None = None
+    text: Path | None = None
+    vocab: Path | None = None
+    scenegraphs: Path | None = None
+    negatives: Path | None = None
+
+
+class DataError(RuntimeError):
+    """A missing or inconsistent input, named with what to do about it."""
+
+
+def _need(path: Path | None, flag: str, what: str) -> Path:
+    if path is None:
+        raise DataError(f"this model reads {what}: pass {flag} PATH")
+    if not Path(path).exists() and "://" not in str(path):
+        raise DataError(f"{path}: not found ({what}); run `dvc repro` to build it")
+    return Path(path)
+
+
+def phrase_ids(text: str, index: dict[str, int]) -> list[int]:
+    """Vocabulary ids of a phrase's words (no <start>/<end>); unknown words are <unk>."""
+    from features.text import words
+
+    unk = index["<unk>"]
+    return [index.get(w, unk) for w in words(text)] or [unk]
+
+
+def _pad_phrases(rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-caption lists of phrases -> ``(B, N, W)`` ids and ``(B, N)`` mask."""
+    n = max([len(r) for r in rows] + [1])
+    w = max([len(p) for r in rows for p in r] + [1])
+    ids = np.zeros((len(rows), n, w), dtype=np.int64)
+    mask = np.zeros((len(rows), n), dtype=bool)
+    for b, row in enumerate(rows):
+        for i, phrase in enumerate(row):
+            ids[b, i, : len(phrase)] = phrase
+            mask[b, i] = True
+    return ids, mask
+
+
+def _pad_index(rows: list[list[int]], n: int) -> np.ndarray:
+    out = np.zeros((len(rows), n), dtype=np.int64)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out
+
+
+def scene_graph_batch(graphs: Sequence[dict], index: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Scene graphs (rows of scenegraphs.parquet) -> the padded component tensors."""
+    objects = [[phrase_ids(o["span"], index) for o in g["objects"]] for g in graphs]
+    attributes = [[phrase_ids(a["attribute"], index) for a in g["attributes"]] for g in graphs]
+    relations = [[phrase_ids(r["relation"], index) for r in g["relations"]] for g in graphs]
+    out = {}
+    for name, rows in (("objects", objects), ("attributes", attributes), ("relations", relations)):
+        ids, mask = _pad_phrases(rows)
+        out[name], out[f"{name[:-1]}_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
+    n_attr, n_rel = out["attributes"].shape[1], out["relations"].shape[1]
+    out["attribute_objects"] = torch.from_numpy(
+        _pad_index([[a["object"] for a in g["attributes"]] for g in graphs], n_attr)
+    )
+    out["relation_subjects"] = torch.from_numpy(
+        _pad_index([[r["subject"] for r in g["relations"]] for g in graphs], n_rel)
+    )
+    out["relation_objects"] = torch.from_numpy(
+        _pad_index([[r["object"] for r in g["relations"]] for g in graphs], n_rel)
+    )
+    return out
+
+
+def _ragged(values: list[np.ndarray], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from features.loader import pad_stack
+
+    padded, lengths = pad_stack([np.asarray(v, dtype=dtype) for v in values])
+    return padded, lengths
+
+
+class PairData:
+    """The images and captions of one split, read from the stores batch by batch.
+
+    ``caption_image[c]`` is the position (within this split's images) of caption ``c``'s
+    image; stores are joined by key, never by row position.
+    """
+
+    def __init__(
+        self,
+        paths: FeaturePaths,
+        split: str,
+        inputs: frozenset[str],
+        *,
+        text: FeaturePaths | None = None,
+        class_embedder: Callable[[list[str]], np.ndarray] | None = None,
+    ):
+        from features.ingest import read_manifest
+        from features.store import Store, join_by_key
+
+        self.inputs = inputs
+        manifest = read_manifest(_need(paths.manifest, "--manifest", "the manifest"))
+        table = manifest.split(split)
+        if table.num_rows == 0:
+            raise DataError(f"{paths.manifest}: split {split!r} has no images")
+        self.split = split
+        self.image_keys = table["key"].to_pylist()
+        self.labels = np.asarray(table["label"].to_numpy(zero_copy_only=False), dtype=np.int64)
+        captions = table["captions"].to_pylist()
+        self.caption_keys = [
+            f"{k}#{i}"
+            for k, caps in zip(self.image_keys, captions, strict=True)
+            for i in range(len(caps))
+        ]
+        self.captions = [c for caps in captions for c in caps]
+        self.caption_image = np.repeat(
+            np.arange(len(self.image_keys)), [len(c) for c in captions]
+        ).astype(np.int64)
+
+        self.stores: dict[str, Store] = {}
+        wanted = {
+            "global": ("image", paths.global_, "--global", "the global image store"),
+            "regions": ("regions", paths.regions, "--regions", "the region store"),
+            "grid": ("grid", paths.grid, "--grid", "the grid store"),
+            "text": (
+                {"words", "tokens", "document", "tfidf"},
+                paths.text,
+                "--text",
+                "the text store",
+            ),
+        }
+        for name, (uses, path, flag, what) in wanted.items():
+            uses = {uses} if isinstance(uses, str) else uses
+            if uses & inputs:
+                self.stores[name] = Store.open(_need(path, flag, what))
+        image_stores = {k: s for k, s in self.stores.items() if k != "text"}
+        self.image_rows = join_by_key(image_stores, self.image_keys) if image_stores else {}
+        if "text" in self.stores:
+            join_by_key({"text": self.stores["text"], **image_stores}, [])  # same manifest
+            self.caption_rows = join_by_key({"text": self.stores["text"]}, self.caption_keys)[
+                "text"
+            ]
+
+        info: dict = {}
+        if "image" in inputs:
+            info["image_dim"] = self.stores["global"].fields["features"].shape[-1]
+        if "regions" in inputs:
+            info["region_dim"] = self.stores["regions"].fields["features"].shape[-1]
+        if "grid" in inputs:
+            info["grid_dim"] = self.stores["grid"].fields["features"].shape[-1]
+        self.word_index: dict[str, int] = {}
+        if inputs & {"words", "scene_graph", "tfidf"}:
+            vocab = json.loads(_need(paths.vocab, "--vocab", "the text vocabulary").read_text())
+            self.word_index = {w: i for i, w in enumerate(vocab["words"])}
+            info["vocab_size"] = len(vocab["words"])
+            info["tfidf_dim"] = len(vocab["tfidf_terms"])
+        if "tokens" in inputs:
+            info["token_dim"] = self.stores["text"].fields["features"].shape[-1]
+        if "document" in inputs:
+            info["document_dim"] = self.stores["text"].fields["document"].shape[-1]
+        if "labels" in inputs:
+            names = manifest.class_names
+            if not names:
+                raise DataError(
+                    f"{paths.manifest}: this model needs class labels; the manifest has none"
+                )
+            info["n_classes"] = len(names)
+            if class_embedder is not None:
+                emb = np.asarray(class_embedder(names), dtype=np.float64)
+                emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+                info["class_distances"] = np.round(1.0 - emb @ emb.T, 6).tolist()
+        self.graphs: list[dict] | None = None
+        if "scene_graph" in inputs:
+            self.graphs = _read_graphs(
+                _need(paths.scenegraphs, "--scenegraphs", "the scene graphs"), self.caption_keys
+            )
+            negatives = json.loads(
+                _need(paths.negatives, "--negatives", "the negative vocabularies").read_text()
+            )
+            info["negatives"] = {
+                kind: [phrase_ids(p, self.word_index) for p in phrases]
+                for kind, phrases in negatives.items()
+            }
+        self.info = DataInfo(**info)
+
+    def __len__(self) -> int:
+        return len(self.caption_keys)
+
+    @property
+    def n_images(self) -> int:
+        return len(self.image_keys)
+
+    def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
+        """Image-side tensors for split positions ``images``."""
+        out: dict[str, torch.Tensor] = {}
+        if "image" in self.inputs:
+            rows = self.image_rows["global"][images]
+            data = self.stores["global"].read_indices(rows, ["features"])
+            out["image"] = torch.from_numpy(data["features"].astype(np.float32))
+        if "regions" in self.inputs:
+            rows = self.image_rows["regions"][images]
+            data = self.stores["regions"].read_indices(
+                rows, ["features", "boxes", "n_regions", "image_hw"]
+            )
+            hw = data["image_hw"].astype(np.float32)
+            scale = np.stack([hw[:, 1], hw[:, 0], hw[:, 1], hw[:, 0]], axis=1)[:, None, :]
+            out["regions"] = torch.from_numpy(data["features"].astype(np.float32))
+            out["region_lengths"] = torch.from_numpy(data["n_regions"].astype(np.int64)).clamp_min(
+                1
+            )
+            out["boxes"] = torch.from_numpy(
+                (data["boxes"] / np.maximum(scale, 1)).astype(np.float32)
+            )
+        if "grid" in self.inputs:
+            rows = self.image_rows["grid"][images]
+            grid = self.stores["grid"].read_indices(rows, ["features"])["features"]
+            out["grid"] = torch.from_numpy(
+                grid.reshape(len(rows), -1, grid.shape[-1]).astype(np.float32)
+            )
+        if "labels" in self.inputs:
+            out["labels"] = torch.from_numpy(self.labels[images])
+        return out
+
+    def text_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
+        """Text-side tensors for split caption positions ``captions``."""
+        out: dict[str, torch.Tensor] = {}
+        wanted = {
+            "words": ["word_ids"],
+            "tokens": ["features"],
+            "document": ["document"],
+            "tfidf": ["tfidf_indices", "tfidf_values"],
+        }
+        fields = [f for name, fs in wanted.items() if name in self.inputs for f in fs]
+        if fields:
+            data = self.stores["text"].read_indices(self.caption_rows[captions], fields)
+            if "words" in self.inputs:
+                out["words"], out["word_lengths"] = _ragged(data["word_ids"], np.int64)
+            if "tokens" in self.inputs:
+                out["tokens"], out["token_lengths"] = _ragged(data["features"], np.float32)
+            if "document" in self.inputs:
+                out["document"] = torch.from_numpy(data["document"].astype(np.float32))
+            if "tfidf" in self.inputs:
+                dense = np.zeros((len(captions), self.info.tfidf_dim), dtype=np.float32)
+                for b, (idx, val) in enumerate(
+                    zip(data["tfidf_indices"], data["tfidf_values"], strict=True)
+                ):
+                    dense[b, idx] = val
+                out["tfidf"] = torch.from_numpy(dense)
+        if self.graphs is not None:
+            out.update(scene_graph_batch([self.graphs[c] for c in captions], self.word_index))
+        if "labels" in self.inputs:
+            out["text_labels"] = torch.from_numpy(self.labels[self.caption_image[captions]])
+        return out
+
+    def pair_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
+        """Caption ``captions[b]`` with its image in row ``b``: positives on the diagonal."""
+        captions = np.asarray(captions, dtype=np.int64)
+        return {
+            **self.image_batch(self.caption_image[captions]),
+            **self.text_batch(captions),
+            "caption_image": torch.from_numpy(self.caption_image[captions]),
+        }
+
+
+def _read_graphs(path: Path, keys: list[str]) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["key", "objects", "attributes", "relations"])
+    by_key = {row["key"]: row for row in table.to_pylist()}
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise DataError(
+            f"{path}: no scene graph for {len(missing)} captions (first: {missing[0]}); "
+            "rerun `dvc repro scenegraph`"
+        )
+    return [by_key[k] for k in keys]
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
