@@ -1,0 +1,86 @@
+"""retrieval_metrics against a naive per-query loop and a hand-made 3-image case."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.metrics import fold_metrics, retrieval_metrics, similarity_matrix
+
+
+def naive(sims: np.ndarray, c2i: np.ndarray) -> dict:
+    """One query at a time, written from the definition (optimistic ties)."""
+    i2t, t2i = [], []
+    for i in range(sims.shape[0]):
+        best = max(sims[i, c] for c in range(len(c2i)) if c2i[c] == i)
+        i2t.append(sum(1 for c in range(len(c2i)) if sims[i, c] > best))
+    for c in range(len(c2i)):
+        if c2i[c] < 0:
+            continue
+        t2i.append(sum(1 for i in range(sims.shape[0]) if sims[i, c] > sims[c2i[c], c]))
+    out = {}
+    for name, ranks in (("i2t", np.array(i2t)), ("t2i", np.array(t2i))):
+        for k in (1, 5, 10):
+            out[f"{name}_r{k}"] = 100.0 * np.mean(ranks < k)
+        out[f"{name}_medr"] = np.floor(np.median(ranks)) + 1
+        out[f"{name}_meanr"] = ranks.mean() + 1
+    out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in (1, 5, 10))
+    return out
+
+
+def test_three_images_by_hand():
+    # captions 0,1 -> image 0; 2 -> image 1; 3 -> image 2
+    sims = torch.tensor(
+        [
+            [0.9, 0.1, 0.5, 0.2],  # image 0: best GT 0.9, nothing higher -> rank 0
+            [0.3, 0.8, 0.4, 0.7],  # image 1: GT 0.4; 0.8 and 0.7 are higher -> rank 2
+            [0.2, 0.6, 0.1, 0.6],  # image 2: GT 0.6 tied with caption 1 -> rank 0 (optimistic)
+        ]
+    )
+    c2i = torch.tensor([0, 0, 1, 2])
+    m = retrieval_metrics(sims, c2i)
+    assert m["i2t_r1"] == pytest.approx(200 / 3)
+    assert m["i2t_r5"] == 100.0
+    assert m["i2t_medr"] == 1.0 and m["i2t_meanr"] == pytest.approx(5 / 3)
+    # t2i: caption 0: 0.9 best -> 0; caption 1: 0.1 vs 0.8, 0.6 -> 2; caption 2: 0.4 vs 0.5 -> 1;
+    # caption 3: 0.6 vs 0.7 -> 1
+    assert m["t2i_r1"] == 25.0 and m["t2i_r5"] == 100.0
+    assert m["t2i_medr"] == 2.0 and m["t2i_meanr"] == pytest.approx(2.0)
+    assert m["rsum"] == pytest.approx(200 / 3 + 100 + 100 + 25 + 100 + 100)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_naive_loop_with_ties_and_distractors(seed):
+    rng = np.random.default_rng(seed)
+    n_img, per = 17, 5
+    c2i = np.repeat(np.arange(n_img), per)
+    c2i = np.concatenate([c2i, -np.ones(9, dtype=int)])  # 9 distractor captions
+    sims = rng.integers(0, 6, size=(n_img, len(c2i))).astype(np.float32)  # many ties
+    got = retrieval_metrics(torch.from_numpy(sims), torch.from_numpy(c2i), chunk=4)
+    want = naive(sims, c2i)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k]), k
+
+
+def test_folds_average_per_fold_metrics():
+    rng = np.random.default_rng(3)
+    sims = rng.normal(size=(20, 100)).astype(np.float32)
+    c2i = np.repeat(np.arange(20), 5)
+    folds = fold_metrics(torch.from_numpy(sims), torch.from_numpy(c2i), fold_size=10)
+    first = naive(sims[:10, :50], c2i[:50])
+    second = naive(sims[10:, 50:], c2i[50:] - 10)
+    for k in first:
+        assert folds[k] == pytest.approx((first[k] + second[k]) / 2), k
+
+
+def test_similarity_matrix_in_chunks_equals_one_product():
+    img, txt = torch.randn(10, 8), torch.randn(33, 8)
+    got = similarity_matrix(lambda a, b: a @ b.t(), img, txt, chunk=3)
+    torch.testing.assert_close(got, img @ txt.t())
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="image 1 has no caption"):
+        retrieval_metrics(torch.zeros(2, 2), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="expected \\(3,\\)"):
+        retrieval_metrics(torch.zeros(2, 3), torch.tensor([0, 1]))
