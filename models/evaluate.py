@@ -1,0 +1,149 @@
+"""Evaluation under one protocol for every model (no per-model branches).
+
+- Retrieval on the whole split (Flickr30K 1K test, COCO 5K) and, when the split holds at
+  least two folds, the COCO 1K protocol (folds of ``fold_size`` images, metrics averaged).
+- Robustness to text-domain adversarial captions (UniVSE 4.2): for each attack type
+  (object, attribute, relation) the fake captions join the real ones as candidates for
+  image-to-text retrieval, never as ground truth.
+- Models that classify (``classify(embedding) -> logits``, HUSE) also get classification
+  accuracy (image, text, fused by averaging the softmaxes) and class-level retrieval R@K in
+  the four directions (a result is relevant when it has the query's class).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import PositiveInt
+
+from features.config import Section
+from models.data import to_device
+from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
+
+
+class EvaluateConfig(Section):
+    """``evaluate`` section of params.yaml."""
+
+    split: Literal["val", "test"] = "test"
+    fold_size: PositiveInt = 1000  # COCO 1K: folds of this many images (when >= 2 fit)
+    batch_size: PositiveInt = 256
+    device: str = "auto"
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def _encode(encode, batches, device) -> torch.Tensor:
+    out = []
+    for batch in batches:
+        with _autocast(device):
+            out.append(encode(to_device(batch, device)).float())
+    return torch.cat(out)
+
+
+def encode_images(model, data, batch_size: int, device) -> torch.Tensor:
+    idx = np.arange(data.n_images)
+    batches = (data.image_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
+    return _encode(model.encode_image, batches, device)
+
+
+def encode_texts(model, data, batch_size: int, device, n: int | None = None) -> torch.Tensor:
+    idx = np.arange(len(data) if n is None else n)
+    batches = (data.text_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
+    return _encode(model.encode_text, batches, device)
+
+
+def evaluate_split(model, data, batch_size: int, device) -> dict[str, float]:
+    """Retrieval metrics of ``model`` on all images and captions of ``data``."""
+    model.eval()
+    img = encode_images(model, data, batch_size, device)
+    txt = encode_texts(model, data, batch_size, device)
+    sims = similarity_matrix(model.similarity, img, txt)
+    return retrieval_metrics(sims, torch.from_numpy(data.caption_image).to(sims.device))
+
+
+def _class_retrieval(query, gallery, q_labels, g_labels, same_set: bool) -> dict[str, float]:
+    """R@K where a hit is any of the top K sharing the query's class (self excluded)."""
+    sims = query @ gallery.t()
+    if same_set:
+        sims.fill_diagonal_(-torch.inf)
+    top = sims.topk(max(KS), dim=1).indices  # (Q, 10)
+    hits = g_labels[top] == q_labels[:, None]
+    return {f"r{k}": float(100.0 * hits[:, :k].any(1).double().mean()) for k in KS}
+
+
+def classification_metrics(model, img, txt, data) -> dict:
+    """HUSE's evaluation: accuracy per modality and fused, class-level retrieval."""
+    device = img.device
+    labels = torch.from_numpy(data.labels).to(device)
+    text_labels = torch.from_numpy(data.labels[data.caption_image]).to(device)
+    with torch.no_grad():
+        p_img = model.classify(img).float().softmax(-1)
+        p_txt = model.classify(txt).float().softmax(-1)
+    # fused: each caption with its image, softmaxes averaged
+    p_fused = (p_img[torch.from_numpy(data.caption_image).to(device)] + p_txt) / 2
+    out = {
+        "accuracy_image": float(100.0 * (p_img.argmax(1) == labels).double().mean()),
+        "accuracy_text": float(100.0 * (p_txt.argmax(1) == text_labels).double().mean()),
+        "accuracy_fused": float(100.0 * (p_fused.argmax(1) == text_labels).double().mean()),
+    }
+    pairs = {
+        "image_to_text": (img, txt, labels, text_labels, False),
+        "text_to_image": (txt, img, text_labels, labels, False),
+        "image_to_image": (img, img, labels, labels, True),
+        "text_to_text": (txt, txt, text_labels, text_labels, True),
+    }
+    for name, args in pairs.items():
+        for k, v in _class_retrieval(*args).items():
+            out[f"class_{name}_{k}"] = v
+    return out
+
+
+def adversarial_metrics(model, img, txt, data, adversarial, batch_size, device) -> dict:
+    """Image-to-text retrieval with each attack's fake captions added as candidates."""
+    fake = encode_texts(model, adversarial, batch_size, device)
+    out = {}
+    for attack in sorted(set(adversarial.attacks)):
+        cols = torch.from_numpy(np.flatnonzero(adversarial.attacks == attack)).to(device)
+        candidates = torch.cat([txt, fake[cols]])
+        c2i = torch.cat(
+            [
+                torch.from_numpy(data.caption_image).to(device),
+                torch.full((len(cols),), -1, dtype=torch.long, device=device),
+            ]
+        )
+        sims = similarity_matrix(model.similarity, img, candidates)
+        metrics = retrieval_metrics(sims, c2i)
+        out[attack] = {k: v for k, v in metrics.items() if k.startswith("i2t")}
+        out[attack]["fake_captions"] = len(cols)
+    return out
+
+
+def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -> dict:
+    """Everything ``vse evaluate`` reports for one model on one split."""
+    model.eval()
+    img = encode_images(model, data, cfg.batch_size, device)
+    txt = encode_texts(model, data, cfg.batch_size, device)
+    sims = similarity_matrix(model.similarity, img, txt)
+    c2i = torch.from_numpy(data.caption_image).to(device)
+    report: dict = {
+        "split": data.split,
+        "images": data.n_images,
+        "captions": len(data),
+        "full": retrieval_metrics(sims, c2i),
+    }
+    n_folds = data.n_images // cfg.fold_size
+    if n_folds >= 2:
+        report["folds"] = {"fold_size": cfg.fold_size, "n_folds": n_folds}
+        report["folds"].update(fold_metrics(sims, c2i, cfg.fold_size))
+    if hasattr(model, "classify"):
+        report["classification"] = classification_metrics(model, img, txt, data)
+    if adversarial is not None:
+        report["adversarial"] = adversarial_metrics(
+            model, img, txt, data, adversarial, cfg.batch_size, device
+        )
+    return report

@@ -1,0 +1,285 @@
+"""The one training loop: any registered model, CPU or CUDA (bf16 autocast), one process
+or ``torchrun`` (DDP), resumable to the exact result of an uninterrupted run.
+
+Per epoch: the training captions in an order seeded by ``(seed, epoch)``, split evenly
+over the ranks; after each epoch rank 0 evaluates on the validation split (rsum), writes
+``last.pt`` (everything needed to resume) and, when rsum improves, ``best.pt`` (the model
+only). A non-finite loss stops training with an error; the last good checkpoint stays.
+
+Checkpoints are plain data: ``{model, config, info, state_dict, ...}`` loaded with
+``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.common import TrainConfig
+from models.data import DataInfo, to_device
+
+CHECKPOINT_VERSION = 1
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what was kept."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"train.device is {name!r} but CUDA is not available; use auto or cpu")
+    return device
+
+
+def build_model(name: str, config: dict, info: DataInfo | dict) -> nn.Module:
+    """A registered model from plain data (its ``models.<name>`` section and DataInfo)."""
+    from models import MODELS
+
+    if name not in MODELS:
+        raise TrainingError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    cls = MODELS[name]
+    info = info if isinstance(info, DataInfo) else DataInfo(**info)
+    return cls(cls.Config.model_validate(config), info)
+
+
+def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The model saved in ``path`` (``best.pt`` or ``last.pt``), in eval mode."""
+    path = Path(path)
+    if not path.exists():
+        raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    model = build_model(ckpt["model"], ckpt["config"], ckpt["info"])
+    model.load_state_dict(ckpt["state_dict"])
+    return model.to(device).eval()
+
+
+class _LossOf(nn.Module):
+    """``forward`` = the model's ``loss``, so DDP sees the forward pass it must sync."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> dict:
+        return self.model.loss(batch)
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join the ``torchrun`` process group if launched by it (gloo on CPU, nccl on CUDA)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int, world: int):
+    """This rank's batches of caption positions for ``epoch``: a permutation seeded by
+    ``(seed, epoch)``, cut into ``world`` equal parts (the tail that does not fill a batch
+    on every rank is dropped, so all ranks take the same number of steps)."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    steps = n // (batch_size * world)
+    if steps == 0:
+        raise TrainingError(
+            f"{n} training captions cannot fill one batch of {batch_size} on {world} ranks; "
+            "lower train.batch_size"
+        )
+    order = order[: steps * batch_size * world].reshape(steps, world, batch_size)
+    return [order[s, rank] for s in range(steps)]
+
+
+def lr_factor(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
+    """LR multiplier per optimizer step: linear warm-up, then x lr_decay at each decay epoch."""
+
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        epoch = step // steps_per_epoch
+        return warm * cfg.lr_decay ** sum(epoch >= e for e in cfg.lr_decay_epochs)
+
+    return factor
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train(
+    name: str,
+    model_config: dict,
+    cfg: TrainConfig,
+    train_data,
+    val_data,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    on_epoch: Callable[[dict], None] | None = None,
+    log: Callable[[str], None] = print,
+    prepare_model: Callable[[nn.Module], None] | None = None,
+) -> dict:
+    """Train ``name`` on ``train_data`` (a ``PairData``), select on ``val_data``.
+
+    Returns the trained model and the history: one dict per epoch (loss components, val
+    metrics, lr, seconds).
+    ``on_epoch`` is called on rank 0 after each epoch with the history so far (metrics
+    files, plots). ``prepare_model`` may change a fresh model before training (e.g. load
+    GloVe vectors); it is not called when resuming.
+    """
+    from models.evaluate import evaluate_split
+
+    out_dir = Path(out_dir)
+    device = init_distributed(resolve_device(cfg.device))
+    rank, world = _dist()
+    torch.manual_seed(cfg.seed)
+    model = build_model(name, model_config, train_data.info).to(device)
+    if prepare_model is not None:
+        prepare_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = len(epoch_batches(len(train_data), cfg.batch_size, cfg.seed, 0, rank, world))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch))
+    history: list[dict] = []
+    best_rsum, start = -math.inf, 0
+    last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
+
+    identity = {"model": name, "config": model.cfg.model_dump(), "info": train_data.info.to_dict()}
+    if resume and last_path.exists():
+        ckpt = torch.load(last_path, map_location=device, weights_only=True)
+        for key in ("model", "config", "info"):
+            if ckpt[key] != identity[key]:
+                raise TrainingError(
+                    f"{last_path}: was trained with another {key} ({key} differs); "
+                    "delete it or train without --resume"
+                )
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        history, best_rsum, start = ckpt["history"], ckpt["best_rsum"], ckpt["epoch"] + 1
+        log(f"resuming {name} from {last_path} after epoch {ckpt['epoch']}")
+    elif resume:
+        log(f"--resume: no {last_path} yet, starting from scratch")
+
+    wrapped: nn.Module = _LossOf(model)
+    if world > 1:
+        wrapped = nn.parallel.DistributedDataParallel(
+            wrapped, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    for epoch in range(start, cfg.epochs):
+        t0, seen = time.perf_counter(), 0
+        sums: dict[str, float] = {}
+        batches = epoch_batches(len(train_data), cfg.batch_size, cfg.seed, epoch, rank, world)
+        model.train()
+        for step, captions in enumerate(batches):
+            batch = to_device(train_data.pair_batch(captions), device)
+            batch["epoch"] = epoch
+            with _autocast(device):
+                parts = wrapped(batch)
+            loss = parts["loss"]
+            bad = torch.tensor(float(not torch.isfinite(loss.detach())), device=device)
+            if world > 1:
+                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            if bad.item():
+                kept = f"{last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
+                raise TrainingError(
+                    f"{name}: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
+                    f"Kept the last good checkpoint: {kept}. Lower train.lr or raise "
+                    "train.warmup_steps, then rerun with --resume"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + float(value.detach())
+            seen += len(captions) * world
+            if rank == 0 and (step + 1) % max(1, len(batches) // 4) == 0:
+                rate = seen / (time.perf_counter() - t0)
+                log(
+                    f"{name} epoch {epoch} step {step + 1}/{len(batches)} "
+                    f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
+                )
+        row = {"epoch": epoch, **{k: v / len(batches) for k, v in sums.items()}}
+        row["lr"] = optimizer.param_groups[0]["lr"]
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        if rank == 0:
+            model.eval()
+            val = evaluate_split(model, val_data, cfg.eval_batch_size, device)
+            row.update({f"val_{k}": v for k, v in val.items()})
+            history.append(row)
+            improved = val["rsum"] > best_rsum
+            best_rsum = max(best_rsum, val["rsum"])
+            out_dir.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            if improved:
+                _atomic_save({**identity, "state_dict": state, "epoch": epoch}, best_path)
+            rng = {"torch": torch.get_rng_state()}
+            if device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            _atomic_save(
+                {
+                    **identity,
+                    "version": CHECKPOINT_VERSION,
+                    "state_dict": state,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng,
+                    "epoch": epoch,
+                    "history": history,
+                    "best_rsum": best_rsum,
+                },
+                last_path,
+            )
+            log(
+                f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
+                f"(best {best_rsum:.1f}), {row['seconds']:.1f} s"
+            )
+            if on_epoch is not None:
+                on_epoch(history)
+        if world > 1:
+            torch.distributed.barrier()
+    return {"history": history, "best_rsum": best_rsum, "model": model}
+
+
+def _atomic_save(obj: dict, path: Path) -> None:
+    """Write then rename, so a crash never leaves a half-written checkpoint (and a DVC
+    hardlinked output is never opened for writing in place)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:
+    """The DVC metrics file (last epoch, best epoch) and the per-epoch plot table."""
+    if not history:
+        return
+    if metrics is not None:
+        best = max(history, key=lambda r: r.get("val_rsum", -math.inf))
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"epochs": len(history), "last": history[-1], "best": best}
+        metrics.write_text(json.dumps(summary, indent=2) + "\n")
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in history]
+        plot.write_text(json.dumps(rows, indent=2) + "\n")
