@@ -19,6 +19,10 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class UserError(RuntimeError):
+    """A failure the user can fix; the message names the file, key or item and what to do."""
+
+
 class ConfigError(ValueError):
     """A config file failed validation; the message lists every problem by key path."""
 

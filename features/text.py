@@ -227,19 +227,55 @@ def extract_text(
     progress: Callable | None = None,
 ) -> dict:
     """Fill the caption-level text store (resumable) and return the fitted vocabularies."""
-    from features.store import Provenance, StoreWriter
-
     keys, texts, splits = caption_rows(manifest)
     train = [t for t, s in zip(texts, splits, strict=True) if s == "train"]
     vocab = build_vocab(train, cfg.word_min_count)
     terms, idf = fit_tfidf(train, cfg.tfidf_max_terms)
+    vocab = {**vocab, "tfidf_terms": terms, "idf": [round(float(v), 6) for v in idf]}
+    write_text_store(
+        keys,
+        texts,
+        vocab,
+        encoder,
+        cfg,
+        weights,
+        manifest.digest,
+        store_path,
+        store_cfg,
+        kind="text",
+        log=log,
+        progress=progress,
+    )
+    return vocab
+
+
+def write_text_store(
+    keys: Sequence[str],
+    texts: Sequence[str],
+    vocab: dict,
+    encoder: BertTexts,
+    cfg: TextConfig,
+    weights: str,
+    manifest_digest: str,
+    store_path,
+    store_cfg,
+    *,
+    kind: str = "text",
+    log: Callable[[str], None] = print,
+    progress: Callable | None = None,
+) -> None:
+    """Encode ``texts`` into a caption-level store with the given (train-fitted) word and
+    TF-IDF vocabularies, so other caption sets (e.g. adversarial ones) share them."""
+    from features.store import Provenance, StoreWriter
+
     word_index = {w: i for i, w in enumerate(vocab["words"])}
-    term_index = {t: i for i, t in enumerate(terms)}
+    term_index = {t: i for i, t in enumerate(vocab["tfidf_terms"])}
+    idf = np.asarray(vocab["idf"], dtype=np.float64)
     params = cfg.model_dump(exclude={"batch_size", "device", "model"})
-    provenance = Provenance("text-bert", TEXT_VERSION, params, weights, manifest.digest)
+    provenance = Provenance(f"{kind}-bert", TEXT_VERSION, params, weights, manifest_digest)
     bar = progress(total=len(texts)) if progress else None
     with StoreWriter(
-        store_path, "text", fields(encoder.hidden), keys, provenance, store_cfg, log=log
+        store_path, kind, fields(encoder.hidden), list(keys), provenance, store_cfg, log=log
     ) as writer:
         for shard in writer.pending_shards():
             lo, hi = writer.shard_range(shard)
@@ -263,4 +299,3 @@ def extract_text(
                 bar.update(hi - lo)
     if bar is not None:
         bar.close()
-    return {**vocab, "tfidf_terms": terms, "idf": [round(float(v), 6) for v in idf]}

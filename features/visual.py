@@ -134,31 +134,28 @@ class Res5Head(nn.Module):
         return self.layer4(x).mean(dim=(2, 3))
 
 
-def build_c4_detector(depth: int, num_classes: int, proposals: int) -> nn.Module:
+def build_c4_detector(depth: int, num_classes: int, proposals: int, stages: int = 4) -> nn.Module:
     """Faster R-CNN with a ResNet C4 backbone (stem..res4, stride 16) and res5 box head,
-    the bottom-up-attention architecture, assembled from torchvision parts."""
+    the bottom-up-attention architecture, assembled from torchvision parts. ``stages < 4``
+    moves the head down: stage ``stages`` is the head, the stages before it the backbone."""
     from torchvision.models.detection import FasterRCNN
     from torchvision.models.detection.anchor_utils import AnchorGenerator
     from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
     from torchvision.ops import MultiScaleRoIAlign
 
     resnet = _resnet(depth)
+    layers = [resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4]
     backbone = nn.Sequential(
-        resnet.conv1,
-        resnet.bn1,
-        resnet.relu,
-        resnet.maxpool,
-        resnet.layer1,
-        resnet.layer2,
-        resnet.layer3,
+        resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool, *layers[: stages - 1]
     )
-    backbone.out_channels = 1024
+    backbone.out_channels = 256 * 2 ** (stages - 2)  # bottleneck ResNets
+    dim = 2 * backbone.out_channels
     return FasterRCNN(
         backbone,
         rpn_anchor_generator=AnchorGenerator(((32, 64, 128, 256, 512),), ((0.5, 1.0, 2.0),)),
         box_roi_pool=MultiScaleRoIAlign(["0"], output_size=14, sampling_ratio=0),
-        box_head=Res5Head(resnet.layer4),
-        box_predictor=FastRCNNPredictor(2048, num_classes),
+        box_head=Res5Head(layers[stages - 1]),
+        box_predictor=FastRCNNPredictor(dim, num_classes),
         rpn_pre_nms_top_n_test=6000,
         rpn_post_nms_top_n_test=proposals,
     )
@@ -178,7 +175,7 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
         )
     else:
         depth = 101 if cfg.architecture == "resnet101_c4" else 50
-        model = build_c4_detector(depth, cfg.num_classes, cfg.proposals)
+        model = build_c4_detector(depth, cfg.num_classes, cfg.proposals, cfg.stages)
     load_weights(model, cfg.weights, cfg.seed, f"regions ({cfg.architecture})")
     return model.eval()
 
@@ -326,12 +323,14 @@ class RegionExtractor:
 
 
 class ResNetTrunk(nn.Module):
-    """ResNet up to conv5 (layer4): (B, 3, H, W) -> (B, 2048, H/32, W/32)."""
+    """ResNet up to conv5 (layer4): (B, 3, H, W) -> (B, 2048, H/32, W/32); with
+    ``stages < 4`` up to that stage: (B, 256 * 2^(stages-1), H/2^(stages+1), ...)."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, stages: int = 4):
         super().__init__()
         resnet = _resnet(depth)
-        self.body = nn.Sequential(*list(resnet.children())[:-2])
+        self.body = nn.Sequential(*list(resnet.children())[: 4 + stages])  # stem + stages
+        self.dim = 256 * 2 ** (stages - 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -339,7 +338,7 @@ class ResNetTrunk(nn.Module):
 
 def build_trunk(cfg: GridConfig) -> nn.Module:
     torch.manual_seed(cfg.seed)
-    model = ResNetTrunk(int(cfg.architecture.removeprefix("resnet")))
+    model = ResNetTrunk(int(cfg.architecture.removeprefix("resnet")), cfg.stages)
     load_weights(model.body, cfg.weights, cfg.seed, f"grid ({cfg.architecture})")
     return model.eval()
 
@@ -354,7 +353,7 @@ class GridExtractor:
         self.model = model.to(device)
         self.cfg = cfg
         self.device = device
-        self.dim = 2048
+        self.dim = model.dim
 
     @property
     def name(self) -> str:

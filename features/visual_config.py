@@ -37,6 +37,9 @@ class RegionsConfig(ExtractConfig):
     max_boxes: int = Field(100, ge=1)
     proposals: int = Field(300, ge=1)  # RPN proposals kept after NMS, per image
     batch_size: int = Field(2, ge=1)
+    # C4 only: the box head is ResNet stage `stages` (4 = res5, the paper's); the backbone
+    # the stages before it. Random-init demo weights keep colour only in early stages.
+    stages: int = Field(4, ge=2, le=4)
 
     @model_validator(mode="after")
     def _bounds(self) -> RegionsConfig:
@@ -51,6 +54,9 @@ class GridConfig(ExtractConfig):
     architecture: Literal["resnet152", "resnet101", "resnet50"] = "resnet152"
     image_size: int = Field(224, ge=32)  # shorter side resized to this, then centre crop
     grid: int = Field(7, ge=1)
+    # ResNet stages kept: 4 = conv5 (2048-d, the papers'); 1..3 give 256/512/1024-d maps.
+    # Random-init demo weights keep colour only in early stages.
+    stages: int = Field(4, ge=1, le=4)
 
 
 class GlobalConfig(Section):

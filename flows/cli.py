@@ -15,10 +15,11 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from features.config import ConfigError
+from features.config import ConfigError, UserError
 from features.ingest import IngestError
 from features.store import StoreError
 from features.text_models import TextModelError
+from flows import model_cli
 from flows.params import Params, load_params
 
 
@@ -623,6 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="global store to write")
     p.set_defaults(func=cmd_extract_global)
 
+    model_cli.add_commands(commands, extract_commands)
+
     p = commands.add_parser(
         "flow",
         help="run DVC stages as a Prefect flow (one task per stage, DVC's lock and cache)",
@@ -752,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (IngestError, StoreError, TextModelError) as err:
+    except (IngestError, StoreError, TextModelError, UserError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
+from features.adversarial import AdversarialConfig
 from features.config import ConfigError, Section, format_errors
 from features.demo import DemoConfig
 from features.demo_parser import ParserConfig
@@ -22,6 +23,9 @@ from features.shards import ShardsConfig
 from features.store import StoreConfig
 from features.text import TextConfig
 from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
+from models import ModelsConfig
+from models.common import TrainConfig
+from models.evaluate import EvaluateConfig
 
 
 class Params(Section):
@@ -38,6 +42,10 @@ class Params(Section):
     text: TextConfig = TextConfig()
     parser: ParserConfig = ParserConfig()
     scenegraph: ScenegraphConfig = ScenegraphConfig()
+    adversarial: AdversarialConfig = AdversarialConfig()
+    train: TrainConfig = TrainConfig()
+    models: ModelsConfig = ModelsConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

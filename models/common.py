@@ -28,6 +28,9 @@ class TrainConfig(Section):
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_batch_size: PositiveInt = 256
+    # image inputs as (x - mean) / std with train statistics (kept in the checkpoint);
+    # for features dominated by one shared mean, such as random-init CNN features
+    standardize: bool = False
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-8) -> torch.Tensor:

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from features.config import UserError
+from models.common import lengths_mask
 
 IMAGE_INPUTS = frozenset({"image", "regions", "grid", "labels"})
 TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf", "scene_graph", "labels"})
@@ -61,6 +64,8 @@ class DataInfo:
     class_distances: list[list[float]] | None = None
     # UniVSE's negative-sampling vocabularies as word-id phrases: nouns, adjectives, relations
     negatives: dict[str, list[list[int]]] = field(default_factory=dict)
+    # per-dimension [mean, std] of image inputs over train images, when standardised
+    feature_stats: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +85,7 @@ class FeaturePaths:
     negatives: Path | None = None
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """A missing or inconsistent input, named with what to do about it."""
 
 
@@ -253,6 +258,30 @@ class PairData:
             }
         self.info = DataInfo(**info)
 
+    def standardize(self, stats: dict[str, list[list[float]]]) -> None:
+        """From now on, image inputs come as ``(x - mean) / std`` with ``stats`` (from
+        :meth:`feature_stats` on the train split; a checkpoint's ``info`` carries them)."""
+        self._stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in stats.items()}
+        self.info = replace(self.info, feature_stats=stats)
+
+    def feature_stats(self, max_images: int = 5000) -> dict[str, list[list[float]]]:
+        """Per-dimension mean and std of the image inputs over (up to ``max_images``) of
+        this split's images; regions count only valid ones. Random-init features are
+        dominated by one shared mean vector; standardising them restores contrast."""
+        idx = np.arange(min(self.n_images, max_images))
+        batch = self.image_batch(idx)
+        out = {}
+        for key in ("image", "regions", "grid"):
+            if key not in batch:
+                continue
+            x = batch[key]
+            if key == "regions":
+                x = x[lengths_mask(batch["region_lengths"], x.shape[1])]
+            x = x.reshape(-1, x.shape[-1]).double()
+            std = x.std(0).clamp_min(1e-3 * float(x.std(0).mean()) + 1e-12)
+            out[key] = [x.mean(0).float().tolist(), std.float().tolist()]
+        return out
+
     def __len__(self) -> int:
         return len(self.caption_keys)
 
@@ -261,7 +290,16 @@ class PairData:
         return len(self.image_keys)
 
     def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
-        """Image-side tensors for split positions ``images``."""
+        """Image-side tensors for split positions ``images`` (standardised if asked)."""
+        out = self._image_batch(images)
+        for key, (mean, std) in getattr(self, "_stats", {}).items():
+            out[key] = (out[key] - mean) / std
+            if key == "regions":  # padding stays zero
+                valid = lengths_mask(out["region_lengths"], out[key].shape[1])
+                out[key] = out[key] * valid.unsqueeze(-1)
+        return out
+
+    def _image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         if "image" in self.inputs:
             rows = self.image_rows["global"][images]
@@ -321,6 +359,39 @@ class PairData:
         if "labels" in self.inputs:
             out["text_labels"] = torch.from_numpy(self.labels[self.caption_image[captions]])
         return out
+
+    def with_adversarial(self, store: Path, captions: Path) -> PairData:
+        """The fake captions of this split's images (``vse extract adversarial``) as a text
+        source: ``text_batch`` reads them, ``attacks`` names each one's attack and
+        ``caption_image`` gives the image it was made from (it never matches it)."""
+        import copy
+
+        import pyarrow.parquet as pq
+
+        from features.store import Store, join_by_key
+
+        table = pq.read_table(_need(captions, "--adversarial-captions", "adversarial captions"))
+        position = {k: i for i, k in enumerate(self.image_keys)}
+        rows = [r for r in table.to_pylist() if r["image"] in position]
+        if not rows:
+            raise DataError(
+                f"{captions}: no adversarial captions for split {self.split!r}; add it to "
+                "adversarial.splits in params.yaml"
+            )
+        fake = copy.copy(self)
+        fake.stores = dict(self.stores)
+        fake.caption_keys = [r["key"] for r in rows]
+        fake.captions = [r["caption"] for r in rows]
+        fake.attacks = np.array([r["attack"] for r in rows])
+        fake.caption_image = np.array([position[r["image"]] for r in rows], dtype=np.int64)
+        if self.inputs & {"words", "tokens", "document", "tfidf"}:
+            text = Store.open(_need(store, "--adversarial", "the adversarial text store"))
+            join_by_key({"text": self.stores["text"], "adversarial": text}, [])  # one manifest
+            fake.stores["text"] = text
+            fake.caption_rows = join_by_key({"text": text}, fake.caption_keys)["text"]
+        if self.graphs is not None:
+            fake.graphs = rows
+        return fake
 
     def pair_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
         """Caption ``captions[b]`` with its image in row ``b``: positives on the diagonal."""

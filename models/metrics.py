@@ -53,8 +53,9 @@ def retrieval_ranks(
     for lo in range(0, n_img, chunk):
         i2t[lo : lo + chunk] = (sims[lo : lo + chunk] > best[lo : lo + chunk, None]).sum(1)
     t2i = torch.zeros(real.numel(), dtype=torch.long, device=sims.device)
+    candidates = sims if real.numel() == n_cap else sims[:, real]  # no copy without distractors
     for lo in range(0, n_img, chunk):
-        t2i += (sims[lo : lo + chunk, real] > gt[None, :]).sum(0)
+        t2i += (candidates[lo : lo + chunk] > gt[None, :]).sum(0)
     return i2t, t2i
 
 

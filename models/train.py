@@ -23,13 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from features.config import UserError
 from models.common import TrainConfig
 from models.data import DataInfo, to_device
 
 CHECKPOINT_VERSION = 1
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError):
     """Training cannot go on; the message says why and what was kept."""
 
 
@@ -53,15 +54,18 @@ def build_model(name: str, config: dict, info: DataInfo | dict) -> nn.Module:
     return cls(cls.Config.model_validate(config), info)
 
 
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    """The model saved in ``path`` (``best.pt`` or ``last.pt``), in eval mode."""
+def load_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, DataInfo]:
+    """The model saved in ``path`` (``best.pt`` or ``last.pt``), in eval mode, and the
+    DataInfo it was trained with (dimensions, feature statistics)."""
     path = Path(path)
     if not path.exists():
         raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
     ckpt = torch.load(path, map_location=device, weights_only=True)
     model = build_model(ckpt["model"], ckpt["config"], ckpt["info"])
     model.load_state_dict(ckpt["state_dict"])
-    return model.to(device).eval()
+    return model.to(device).eval(), DataInfo(**ckpt["info"])
 
 
 class _LossOf(nn.Module):
@@ -149,6 +153,10 @@ def train(
     out_dir = Path(out_dir)
     device = init_distributed(resolve_device(cfg.device))
     rank, world = _dist()
+    if cfg.standardize:
+        stats = train_data.feature_stats()
+        train_data.standardize(stats)
+        val_data.standardize(stats)
     torch.manual_seed(cfg.seed)
     model = build_model(name, model_config, train_data.info).to(device)
     if prepare_model is not None:

@@ -19,7 +19,7 @@ from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
 from features.config import Section
-from models.common import GRUText, cosine_sim, hinge_triplet, l2norm
+from models.common import GRUText, hinge_triplet, l2norm
 from models.data import DataInfo
 
 
@@ -56,7 +56,8 @@ class VSEPP(nn.Module):
         return l2norm(self.text(batch["words"], batch["word_lengths"]))  # (B, D)
 
     def similarity(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-        return cosine_sim(img, txt)  # (n_img, n_txt), eq. 3
+        """s(i, c) = f(i) . g(c) (eq. 3): both are L2-normalised by ``encode_*``."""
+        return img @ txt.t()  # (n_img, n_txt)
 
     def loss(self, batch: dict) -> dict:
         scores = self.similarity(self.encode_image(batch), self.encode_text(batch))

@@ -45,7 +45,8 @@ def test_resume_continues_exactly(tmp_path, data):
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
     # best.pt is plain data and rebuilds the model without the stores
-    model = load_checkpoint(tmp_path / "full" / "best.pt")
+    model, info = load_checkpoint(tmp_path / "full" / "best.pt")
+    assert info == data.info
     assert model.cfg.embed_size == 32
 
 

@@ -1,0 +1,115 @@
+"""The comparison of all models on one split: a markdown table beside the numbers the
+papers report (their datasets, not ours: for orientation only) and a bar plot of rsum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (dataset and protocol, i2t R@1/5/10, t2i R@1/5/10) as printed in the papers
+PAPER_NUMBERS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "vsepp": (
+        "MS-COCO 1K, fixed CNN (UniVSE Table 1)",
+        (57.7, 86.0, 94.0, 42.8, 77.2, 87.4),
+    ),
+    "mvvse": ("MS-COCO 5K, BiGRU (MV-VSE Table 2)", (56.7, 84.1, 91.4, 40.3, 70.6, 81.6)),
+    "camera": ("MS-COCO 1K, single model (CAMERA Table 3)", (75.9, 95.5, 98.6, 62.3, 90.1, 95.2)),
+    "huse": ("UPMC Food-101: accuracy image 73.8, text 87.3, fused 92.3 (HUSE Table 3)", ()),
+    "univse": ("MS-COCO 1K (UniVSE Table 1)", (64.3, 89.2, 94.8, 48.3, 81.7, 91.2)),
+}
+COLUMNS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+
+
+def _fmt(values) -> str:
+    return " | ".join(f"{v:.1f}" for v in values)
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    """One row per model: clean retrieval, rsum, COCO-1K-style folds when present,
+    adversarial image-to-text R@1 per attack, classification when reported."""
+    if not results:
+        return "_no evaluation results_\n"
+    first = next(iter(results.values()))
+    lines = [
+        f"Split `{first['split']}`: {first['images']} images, {first['captions']} captions "
+        "(R@K in %, rsum = sum of the six R@K).",
+        "",
+        "| model | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | folds rsum "
+        "| adv. R@1 object | attribute | relation |",
+        "|---|" + "---:|" * 11,
+    ]
+    for name, r in results.items():
+        full, folds = r["full"], r.get("folds", {})
+        adv = r.get("adversarial", {})
+        adv_cells = " | ".join(
+            f"{adv[a]['i2t_r1']:.1f}" if a in adv else "-"
+            for a in ("object", "attribute", "relation")
+        )
+        folds_cell = f"{folds['rsum']:.1f}" if folds else "-"
+        lines.append(
+            f"| {name} | {_fmt(full[c] for c in COLUMNS)} | {full['rsum']:.1f} | {folds_cell} "
+            f"| {adv_cells} |"
+        )
+    per_image = first["captions"] / first["images"]
+    lines += [
+        "",
+        f"Chance level: i2t R@1 {100 * per_image / first['captions']:.1f}%, "
+        f"t2i R@1 {100 / first['images']:.1f}%.",
+    ]
+    classified = {n: r["classification"] for n, r in results.items() if "classification" in r}
+    if classified:
+        lines += [
+            "",
+            "| model | accuracy image | text | fused | class-level R@1 i2t | t2i | i2i | t2t |",
+            "|---|" + "---:|" * 7,
+        ]
+        for name, c in classified.items():
+            cells = [c["accuracy_image"], c["accuracy_text"], c["accuracy_fused"]] + [
+                c[f"class_{d}_r1"]
+                for d in ("image_to_text", "text_to_image", "image_to_image", "text_to_text")
+            ]
+            lines.append(f"| {name} | {_fmt(cells)} |")
+    lines += [
+        "",
+        "Reported in the papers (their data and features; for orientation only):",
+        "",
+        "| model | setting | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 |",
+        "|---|---|" + "---:|" * 6,
+    ]
+    for name in results:
+        if name in PAPER_NUMBERS:
+            setting, values = PAPER_NUMBERS[name]
+            cells = _fmt(values) if values else " | ".join("-" * 6)
+            lines.append(f"| {name} | {setting} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_rsum(results: dict[str, dict], path: Path) -> None:
+    """Bar plot: clean rsum and the adversarial i2t R@1 sum per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    axes[0].bar(names, [results[n]["full"]["rsum"] for n in names], color="#4c72b0")
+    axes[0].set_ylabel("rsum (max 600)")
+    axes[0].set_title(f"retrieval, {next(iter(results.values()))['split']} split")
+    attacks = ("object", "attribute", "relation")
+    width = 0.8 / (len(attacks) + 1)
+    for j, series in enumerate(("clean", *attacks)):
+        values = [
+            results[n]["full"]["i2t_r1"]
+            if series == "clean"
+            else results[n].get("adversarial", {}).get(series, {}).get("i2t_r1", 0.0)
+            for n in names
+        ]
+        axes[1].bar([i + j * width for i in range(len(names))], values, width, label=series)
+    axes[1].set_xticks([i + 1.5 * width for i in range(len(names))], names)
+    axes[1].set_ylabel("image-to-text R@1 (%)")
+    axes[1].set_title("with adversarial captions")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,80 @@
+"""Adversarial captions (UniVSE 4.2): edits that make the caption wrong for its image."""
+
+from features.adversarial import AdversarialConfig, adversarial_captions
+
+
+def obj(word):
+    return {"span": word, "head": word, "lemma": word}
+
+
+ROWS = [
+    {
+        "key": "im#0",
+        "caption": "a red circle on a blue square",
+        "objects": [obj("circle"), obj("square")],
+        "attributes": [
+            {"object": 0, "attribute": "red", "lemma": "red"},
+            {"object": 1, "attribute": "blue", "lemma": "blue"},
+        ],
+        "relations": [{"subject": 0, "relation": "on", "lemma": "on", "object": 1}],
+    },
+    {
+        "key": "im#1",
+        "caption": "a big circle",
+        "objects": [obj("circle")],
+        "attributes": [{"object": 0, "attribute": "big", "lemma": "big"}],
+        "relations": [],
+    },
+]
+VOCAB = {
+    "nouns": {"circle": 9, "square": 5, "star": 3, "triangle": 2},
+    "adjectives": {"red": 5, "blue": 4, "big": 3, "green": 2, "small": 1},
+    "relations": {"on": 5, "under": 2, "beside": 1},
+}
+
+
+def fakes(cfg=None):
+    return adversarial_captions(ROWS, ["im", "im"], VOCAB, cfg or AdversarialConfig())
+
+
+def test_every_fake_is_wrong_for_its_image_and_keeps_a_consistent_graph():
+    out = fakes()
+    assert {f["attack"] for f in out} == {"object", "attribute", "relation"}
+    for f in out:
+        source = next(r for r in ROWS if r["key"] == f["source"])
+        assert f["caption"] != source["caption"]
+        assert f["key"].startswith(f["source"] + "~" + f["attack"] + "~")
+        if f["attack"] == "object":
+            new = {o["lemma"] for o in f["objects"]} - {"circle", "square"}
+            assert new and new <= {"star", "triangle"}
+            assert any(w in f["caption"].split() for w in new)
+        if f["attack"] == "attribute":
+            new = {a["lemma"] for a in f["attributes"]} - {"red", "blue", "big"}
+            assert new and new <= {"green", "small"}
+        if f["attack"] == "relation":
+            assert {r["lemma"] for r in f["relations"]} & {"under", "beside"}
+            assert not {r["lemma"] for r in f["relations"]} & {"on"}
+
+
+def test_counts_distinctness_and_additions():
+    out = fakes(AdversarialConfig(per_caption=5))
+    for key in ("im#0", "im#1"):
+        for attack in ("object", "attribute", "relation"):
+            captions = [f["caption"] for f in out if f["source"] == key and f["attack"] == attack]
+            assert 1 <= len(captions) <= 5 and len(set(captions)) == len(captions)
+    # "a big circle" has no relation: one is attached with a new object
+    added = [f for f in out if f["source"] == "im#1" and f["attack"] == "relation"]
+    assert all(len(f["objects"]) == 2 and f["relations"][0]["object"] == 1 for f in added)
+    assert {f["caption"] for f in added} <= {
+        f"a big circle {r} a {n}" for r in ("under", "beside") for n in ("star", "triangle")
+    }
+    # object attack on the 2-object caption: 2 positions x 2 nouns = 4 distinct fakes
+    assert len([f for f in out if f["source"] == "im#0" and f["attack"] == "object"]) == 4
+
+
+def test_reproducible_and_seeded():
+    assert fakes() == fakes()
+    other = fakes(AdversarialConfig(seed=1))
+    assert {f["caption"] for f in other} <= {
+        f["caption"] for f in fakes(AdversarialConfig(per_caption=50, max_tries=500))
+    }

@@ -1,0 +1,495 @@
+"""UniVSE (models/univse.py): each loss term against a direct computation, the encoders
+against the paper's formulas, u_cap, the eta schedule, negative sampling, GloVe loading and
+an overfit run on TinyPairs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from models.common import hinge_triplet
+from models.data import DataInfo
+from models.univse import (
+    UniVSE,
+    UniVSEConfig,
+    load_glove,
+    ranking_loss,
+    region_alignment,
+    relation_loss,
+)
+from tests.model_data import TinyPairs, overfit
+
+SMALL = dict(embed_size=16, d_basic=6, d_modif=5)
+
+# hand-made vocabulary: 1 <start>, 2 <end>, nouns 5-8, adjectives 10-12, predicates 15-18
+INFO = DataInfo(
+    grid_dim=4,
+    vocab_size=20,
+    negatives={
+        "nouns": [[5], [6], [7], [8]],
+        "adjectives": [[10], [11], [12]],
+        "relations": [[15], [16], [17, 18]],
+    },
+)
+
+
+def hand_batch() -> dict:
+    """Caption 0: "5 10 12 | 6" with relation (5, "17 18", 6); caption 1: "7 11", no
+    relations. Object 0 of caption 0 carries both adjectives 10 and 12."""
+    torch.manual_seed(1)
+    return {
+        "grid": torch.randn(2, 3, 4),
+        "words": torch.tensor([[1, 5, 10, 6, 2], [1, 7, 11, 2, 0]]),
+        "word_lengths": torch.tensor([5, 4]),
+        "objects": torch.tensor([[[5], [6]], [[7], [0]]]),
+        "object_mask": torch.tensor([[True, True], [True, False]]),
+        "attributes": torch.tensor([[[10], [12]], [[11], [0]]]),
+        "attribute_mask": torch.tensor([[True, True], [True, False]]),
+        "attribute_objects": torch.tensor([[0, 0], [0, 0]]),
+        "relations": torch.tensor([[[17, 18]], [[0, 0]]]),
+        "relation_mask": torch.tensor([[True], [False]]),
+        "relation_subjects": torch.tensor([[0], [0]]),
+        "relation_objects": torch.tensor([[1], [0]]),
+    }
+
+
+def make_model(info: DataInfo = INFO, **kw) -> UniVSE:
+    torch.manual_seed(0)
+    return UniVSE(UniVSEConfig(**{**SMALL, **kw}), info)
+
+
+def phi_direct(model: UniVSE, w: torch.Tensor) -> torch.Tensor:
+    """Sec. 3.2: Norm(sigmoid(W1 w + b1) * tanh(W2 w + b2))."""
+    g = torch.sigmoid(model.phi.gate.weight @ w + model.phi.gate.bias)
+    h = torch.tanh(model.phi.value.weight @ w + model.phi.value.bias)
+    x = g * h
+    return x / x.norm()
+
+
+def gru_direct(model: UniVSE, xs: list[torch.Tensor]) -> torch.Tensor:
+    """psi: the GRU equations step by step, the normalised last state."""
+    gru = model.psi
+    w_ir, w_iz, w_in = gru.weight_ih_l0.chunk(3)
+    w_hr, w_hz, w_hn = gru.weight_hh_l0.chunk(3)
+    b_ir, b_iz, b_in = gru.bias_ih_l0.chunk(3)
+    b_hr, b_hz, b_hn = gru.bias_hh_l0.chunk(3)
+    h = torch.zeros(gru.hidden_size)
+    for x in xs:
+        r = torch.sigmoid(w_ir @ x + b_ir + w_hr @ h + b_hr)
+        z = torch.sigmoid(w_iz @ x + b_iz + w_hz @ h + b_hz)
+        n = torch.tanh(w_in @ x + b_in + r * (w_hn @ h + b_hn))
+        h = (1 - z) * n + z * h
+    return h / h.norm()
+
+
+def word(model: UniVSE, i: int) -> torch.Tensor:
+    """w^(basic) (+) w^(modif) of word i."""
+    return torch.cat([model.basic.weight[i], model.modif.weight[i]])
+
+
+def pair(model: UniVSE, noun: int, adjective: int) -> torch.Tensor:
+    """w_{a,n} = w_n^(basic) (+) w_a^(modif)."""
+    return torch.cat([model.basic.weight[noun], model.modif.weight[adjective]])
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm()
+
+
+# ---- config -----------------------------------------------------------------------------
+
+
+def test_config_defaults_are_the_papers_and_strict():
+    cfg = UniVSEConfig()
+    assert cfg.embed_size == 1024 and cfg.d_basic == 300
+    assert cfg.alpha == 0.75 and cfg.margin == 0.2 and cfg.glove is None
+    assert (cfg.eta_comp, cfg.eta_obj, cfg.eta_attr, cfg.eta_rel) == (0.5, 0.5, 0.5, 1.0)
+    assert cfg.rel_start_epoch == 2 and cfg.eta_rel_start == 0.0
+    with pytest.raises(ValidationError):
+        UniVSEConfig(alfa=0.5)
+    with pytest.raises(ValidationError):
+        UniVSEConfig(alpha=1.5)
+
+
+# ---- encoders (sec. 3.2-3.3) --------------------------------------------------------------
+
+
+def test_shapes_and_similarity():
+    model, batch = make_model(), hand_batch()
+    img, txt = model.encode_image(batch), model.encode_text(batch)
+    assert img.shape == (2, 16) and txt.shape == (2, 16)
+    assert torch.allclose(img.norm(dim=1), torch.ones(2), atol=1e-5)
+    v, regions = model.encode_regions(batch)
+    assert regions.shape == (2, 3, 16)
+    assert torch.allclose(img, v, atol=1e-5)
+    # v = Norm(mean of the 1x1-conv regions): sec. 3.3
+    conv = batch["grid"] @ model.conv.weight.t() + model.conv.bias  # (B, G, d)
+    assert torch.allclose(v[1], norm(conv[1].mean(0)), atol=1e-5)
+    assert torch.allclose(regions[0, 2], norm(conv[0, 2]), atol=1e-5)
+    sims = model.similarity(img[:1], torch.cat([txt, txt]))
+    assert sims.shape == (1, 4)
+    assert torch.allclose(sims[0, 1], img[0] @ norm(txt[1]), atol=1e-5)
+
+
+def test_components_follow_phi_and_psi():
+    model, batch = make_model(), hand_batch()
+    with torch.no_grad():
+        u = model.encode_components(batch)
+        # objects: phi(w_n^(basic) (+) w_n^(modif))
+        assert torch.allclose(u["obj"][0, 1], phi_direct(model, word(model, 6)), atol=1e-5)
+        # (adjective, noun): phi(w_n^(basic) (+) w_a^(modif)); attribute 1 of caption 0 is
+        # "12" on object 0 ("5")
+        assert torch.allclose(u["attr"][0, 1], phi_direct(model, pair(model, 5, 12)), atol=1e-5)
+        # relation: psi(phi(5), phi(17), phi(18), phi(6))
+        seq = [phi_direct(model, word(model, i)) for i in (5, 17, 18, 6)]
+        assert torch.allclose(u["rel"][0, 0], gru_direct(model, seq), atol=1e-5)
+        # sentence: psi over phi of the caption's words (caption 1 has 4)
+        seq = [phi_direct(model, word(model, i)) for i in (1, 7, 11, 2)]
+        assert torch.allclose(u["sent"][1], gru_direct(model, seq), atol=1e-5)
+
+
+def test_caption_is_alpha_mix_of_sentence_and_components():
+    model, batch = make_model(alpha=0.75), hand_batch()
+    with torch.no_grad():
+        u = model.encode_components(batch)
+        # u_comp = Norm(sum of the valid components), written out per caption
+        comp0 = norm(
+            u["obj"][0, 0] + u["obj"][0, 1] + u["attr"][0, 0] + u["attr"][0, 1] + u["rel"][0, 0]
+        )
+        comp1 = norm(u["obj"][1, 0] + u["attr"][1, 0])  # no relation, padded rows excluded
+        assert torch.allclose(u["comp"][0], comp0, atol=1e-5)
+        assert torch.allclose(u["comp"][1], comp1, atol=1e-5)
+        cap = model.encode_text(batch)
+        assert torch.allclose(cap, 0.75 * u["sent"] + 0.25 * u["comp"], atol=1e-6)
+        # alpha is read from the config
+        other = UniVSE(UniVSEConfig(**SMALL, alpha=0.3), INFO)
+        other.load_state_dict(model.state_dict())
+        assert torch.allclose(
+            other.encode_text(batch), 0.3 * u["sent"] + 0.7 * u["comp"], atol=1e-6
+        )
+
+
+# ---- loss terms (eq. 1-4) ---------------------------------------------------------------
+
+
+def test_ranking_loss_eq1_direct():
+    torch.manual_seed(3)
+    img = norm_rows(torch.randn(4, 5))
+    txt = norm_rows(torch.randn(4, 5))
+    margin = 0.2
+
+    def direct(keep):
+        total = 0.0
+        for i in keep:
+            s = lambda a, b: float(img[a] @ txt[b])  # noqa: E731
+            hardest_c = max([max(0.0, margin + s(i, c) - s(i, i)) for c in keep if c != i] + [0])
+            hardest_i = max([max(0.0, margin + s(j, i) - s(i, i)) for j in keep if j != i] + [0])
+            total += hardest_c + hardest_i
+        return total
+
+    got = ranking_loss(img, txt, margin)
+    assert got.item() == pytest.approx(direct(range(4)), abs=1e-5)
+    assert got.item() == pytest.approx(hinge_triplet(img @ txt.t(), margin, True).item(), abs=1e-5)
+    valid = torch.tensor([True, False, True, True])
+    assert ranking_loss(img, txt, margin, valid).item() == pytest.approx(
+        direct([0, 2, 3]), abs=1e-5
+    )
+    assert direct([0, 2, 3]) != pytest.approx(direct(range(4)))  # the mask matters here
+
+
+def norm_rows(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def test_region_alignment_eq2_3_direct():
+    torch.manual_seed(4)
+    regions = norm_rows(torch.randn(2, 3, 4))  # (B, G, d)
+    pos = norm_rows(torch.randn(2, 2, 4))  # (B, N, d)
+    neg = norm_rows(torch.randn(2, 2, 4))
+    margin = 0.5
+    got = region_alignment(regions, pos, neg, margin)
+    assert got.shape == (2, 2)
+    for b in range(2):
+        for n in range(2):
+            s_pos = [float(pos[b, n] @ regions[b, i]) for i in range(3)]
+            s_neg = [float(neg[b, n] @ regions[b, i]) for i in range(3)]
+            z = sum(math.exp(s) for s in s_pos)
+            want = sum(
+                math.exp(s_pos[i]) / z * max(0.0, margin + s_neg[i] - s_pos[i]) for i in range(3)
+            )
+            assert got[b, n].item() == pytest.approx(want, abs=1e-5)
+    assert got.sum().item() > 0  # the hinge is active somewhere in this example
+
+
+def test_relation_loss_textual_negatives_direct():
+    torch.manual_seed(5)
+    img = norm_rows(torch.randn(3, 4))
+    pos = norm_rows(torch.randn(3, 2, 4))
+    neg = norm_rows(torch.randn(3, 2, 4))
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    neg_valid = torch.tensor([[True, False], [True, True], [True, True]])
+    margin = 0.3
+    got = relation_loss(img, pos, neg, mask, neg_valid, margin)
+    want = 0.0
+    for b in range(3):
+        for r in range(2):
+            if not mask[b, r]:
+                continue
+            candidates = [float(neg[b, r] @ img[b])] if neg_valid[b, r] else []
+            candidates += [
+                float(pos[o, q] @ img[b])
+                for o in range(3)
+                for q in range(2)
+                if o != b and mask[o, q]
+            ]
+            s_pos = float(pos[b, r] @ img[b])
+            want += max(0.0, margin + max(candidates) - s_pos)
+    assert got.item() == pytest.approx(want, abs=1e-5)
+    assert want > 0
+
+
+def test_model_loss_terms_match_direct_computation():
+    model, batch = make_model(), hand_batch()
+    batch["epoch"] = 5
+    neg = model.sample_negatives(batch, torch.Generator().manual_seed(0))
+    out = model.loss(batch, neg)
+    m = model.cfg.margin
+    with torch.no_grad():
+        v, regions = model.encode_regions(batch)
+        u = model.encode_components(batch)
+
+        def hardest_pair_loss(txt):
+            total = 0.0
+            for i in range(2):
+                j = 1 - i
+                total += max(0.0, m + float(v[i] @ txt[j]) - float(v[i] @ txt[i]))
+                total += max(0.0, m + float(v[j] @ txt[i]) - float(v[i] @ txt[i]))
+            return total
+
+        def eq3(b, u_pos, u_neg):
+            s_pos = [float(u_pos @ regions[b, i]) for i in range(3)]
+            s_neg = [float(u_neg @ regions[b, i]) for i in range(3)]
+            z = sum(math.exp(s) for s in s_pos)
+            pairs = zip(s_pos, s_neg, strict=True)
+            return sum(math.exp(p) / z * max(0.0, m + n - p) for p, n in pairs)
+
+        obj = sum(
+            eq3(b, u["obj"][b, o], phi_direct(model, word(model, int(neg["objects"][b, o, 0]))))
+            for b, o in [(0, 0), (0, 1), (1, 0)]
+        )
+        attr = 0.0
+        for b, a in [(0, 0), (0, 1), (1, 0)]:
+            noun, adj = int(neg["attr_nouns"][b, a, 0]), int(neg["attr_adjectives"][b, a, 0])
+            attr += eq3(b, u["attr"][b, a], phi_direct(model, pair(model, noun, adj)))
+        # the only relation (caption 0); caption 1 has none, so only the sampled negative
+        ids = [
+            int(t)
+            for t in torch.cat(
+                [neg["rel_subjects"][0, 0], neg["rel_predicates"][0, 0], neg["rel_objects"][0, 0]]
+            )
+            if t != 0
+        ]
+        u_neg = gru_direct(model, [phi_direct(model, word(model, i)) for i in ids])
+        rel = max(0.0, m + float(u_neg @ v[0]) - float(u["rel"][0, 0] @ v[0]))
+
+    assert out["sent"].item() == pytest.approx(hardest_pair_loss(u["sent"]), abs=1e-5)
+    assert out["comp"].item() == pytest.approx(hardest_pair_loss(u["comp"]), abs=1e-5)
+    assert out["obj"].item() == pytest.approx(obj, abs=1e-5)
+    assert out["attr"].item() == pytest.approx(attr, abs=1e-5)
+    assert out["rel"].item() == pytest.approx(rel, abs=1e-5)
+    # eq. 4 after the relation warm-up
+    want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"]) + 1.0 * out["rel"]
+    assert out["loss"].item() == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_eta_schedule_sec_3_5():
+    model = make_model()
+    for epoch in (0, 1):
+        assert model.etas(epoch) == {"comp": 0.5, "obj": 0.5, "attr": 0.5, "rel": 0.0}
+    for epoch in (2, 3, 30):
+        assert model.etas(epoch) == {"comp": 0.5, "obj": 0.5, "attr": 0.5, "rel": 1.0}
+    assert make_model(rel_start_epoch=4, eta_rel=2.0).etas(3)["rel"] == 0.0
+    assert make_model(rel_start_epoch=4, eta_rel=2.0).etas(4)["rel"] == 2.0
+    # no "epoch" in the batch: epoch 0, relations off
+    batch = hand_batch()
+    neg = model.sample_negatives(batch, torch.Generator().manual_seed(0))
+    out = model.loss(batch, neg)
+    assert out["rel"].item() > 0
+    want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"])
+    assert out["loss"].item() == pytest.approx(want.item(), abs=1e-6)
+
+
+# ---- negatives (sec. 3.4) ---------------------------------------------------------------
+
+
+def test_negatives_differ_from_the_positives_they_replace():
+    model, batch = make_model(), hand_batch()
+    gen = torch.Generator().manual_seed(0)
+    swaps = {"attr": set(), "rel": set()}
+    for _ in range(60):
+        neg = model.sample_negatives(batch, gen)
+        # nouns: never one of the caption's nouns
+        assert neg["object_valid"][batch["object_mask"]].all()
+        assert set(neg["objects"][0, :, 0].tolist()) <= {7, 8}
+        assert neg["objects"][1, 0, 0].item() in {5, 6, 8}
+        # (adjective, noun): exactly one of the two replaced
+        for b, a in [(0, 0), (0, 1), (1, 0)]:
+            noun = batch["objects"][b, batch["attribute_objects"][b, a], 0].item()
+            adj = batch["attributes"][b, a, 0].item()
+            new_noun = neg["attr_nouns"][b, a, 0].item()
+            new_adj = neg["attr_adjectives"][b, a, 0].item()
+            assert neg["attribute_valid"][b, a]
+            assert (new_noun != noun) + (new_adj != adj) == 1
+            if new_adj != adj:  # not another adjective of the same object ("5 10 12")
+                assert new_adj in ({11} if b == 0 else {10, 12})
+                swaps["attr"].add("adjective")
+            else:
+                assert new_noun not in {o[0] for o in batch["objects"][b].tolist()}
+                swaps["attr"].add("noun")
+        # relation (5, "17 18", 6): exactly one of subject, predicate, object replaced
+        triple = (
+            neg["rel_subjects"][0, 0].tolist(),
+            neg["rel_predicates"][0, 0].tolist(),
+            neg["rel_objects"][0, 0].tolist(),
+        )
+        positive = ([5], [17, 18], [6])
+        changed = [
+            i
+            for i in range(3)
+            if triple[i][: len(positive[i])] != positive[i] or any(triple[i][len(positive[i]) :])
+        ]
+        assert len(changed) == 1 and neg["relation_valid"][0, 0]
+        swaps["rel"].add(changed[0])
+        if changed[0] == 1:
+            assert triple[1][0] in {15, 16} and not any(triple[1][1:])
+        else:
+            assert triple[changed[0]][0] in {7, 8}
+    assert swaps == {"attr": {"adjective", "noun"}, "rel": {0, 1, 2}}
+
+
+def test_negatives_respect_the_image_and_an_exhausted_vocabulary():
+    batch = hand_batch()
+    # both captions describe one image: caption 1's noun 7 is excluded for caption 0 too
+    batch["caption_image"] = torch.tensor([0, 0])
+    model = make_model()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        neg = model.sample_negatives(batch, gen)
+        assert set(neg["objects"][:, :, 0][batch["object_mask"]].tolist()) == {8}
+    # vocabularies with nothing left to sample: no valid negatives, a finite loss
+    info = DataInfo(grid_dim=4, vocab_size=20, negatives={"nouns": [[5], [6], [7]]})
+    model = make_model(info)
+    neg = model.sample_negatives(batch, gen)
+    assert not neg["object_valid"].any() and not neg["relation_valid"].any()
+    assert not neg["attribute_valid"].any()
+    out = model.loss({**batch, "epoch": 3}, neg)
+    assert out["obj"].item() == 0 and out["attr"].item() == 0 and out["rel"].item() == 0
+    assert torch.isfinite(out["loss"])
+
+
+def test_same_generator_seed_same_negatives():
+    model, batch = make_model(), hand_batch()
+    a = model.sample_negatives(batch, torch.Generator().manual_seed(7))
+    b = model.sample_negatives(batch, torch.Generator().manual_seed(7))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_captions_without_attributes_or_relations_give_finite_loss_and_grads():
+    model, batch = make_model(), hand_batch()
+    batch["attribute_mask"] = torch.zeros(2, 2, dtype=torch.bool)
+    batch["relation_mask"] = torch.zeros(2, 1, dtype=torch.bool)
+    batch["object_mask"] = torch.tensor([[True, True], [False, False]])  # caption 1: nothing
+    batch["epoch"] = 3
+    out = model.loss(batch)
+    out["loss"].backward()
+    assert all(torch.isfinite(v) for v in out.values())
+    assert out["attr"].item() == 0 and out["rel"].item() == 0
+    assert out["comp"].item() == 0  # only one caption has components: no negative pair
+    for p in model.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+    assert torch.isfinite(model.encode_text(batch)).all()
+
+
+def test_bf16_autocast():
+    data = TinyPairs(n_images=8)
+    torch.manual_seed(0)
+    model = UniVSE(UniVSEConfig(**SMALL), data.info)
+    batch = {**data.pair_batch(np.arange(8)), "epoch": 3}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.loss(batch)
+    assert torch.isfinite(out["loss"].float())
+
+
+# ---- GloVe (sec. 3.2) -------------------------------------------------------------------
+
+
+def test_glove_rows_are_copied_and_missing_words_stay_random(tmp_path):
+    path = tmp_path / "glove.txt"
+    path.write_text("clock 1 2 3\ntable 4 5 6\nat name@x.com 7 8 9\nclock 0 0 0\n<pad> 1 1 1\n")
+    words = ["<pad>", "table", "clock", "wall", "at name@x.com"]
+    matrix = load_glove(path, words)
+    assert matrix.shape == (5, 3)
+    assert np.isnan(matrix[3]).all()  # "wall" is not in the file
+    assert matrix[1].tolist() == [4, 5, 6] and matrix[2].tolist() == [1, 2, 3]
+    assert matrix[4].tolist() == [7, 8, 9]
+    info = DataInfo(grid_dim=4, vocab_size=5)
+    model = make_model(info, d_basic=3)
+    before = model.basic.weight.detach().clone()
+    assert model.init_basic_embeddings(matrix) == 3
+    after = model.basic.weight.detach()
+    assert after[1].tolist() == [4, 5, 6] and after[2].tolist() == [1, 2, 3]
+    assert torch.equal(after[3], before[3]) and after[3].abs().sum() > 0  # random, kept
+    assert torch.equal(after[0], torch.zeros(3))  # <pad>
+    with pytest.raises(ValueError, match="d_basic"):
+        make_model(info, d_basic=4).init_basic_embeddings(matrix)
+
+
+# ---- overfit ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    # the small GRUs run much faster on one thread than on two contended ones
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_overfit_32_pairs(one_thread):
+    data = TinyPairs()
+    torch.manual_seed(0)
+    model = UniVSE(UniVSEConfig(embed_size=64, d_basic=32, d_modif=32), data.info)
+    batch = {**data.pair_batch(np.arange(len(data))), "epoch": 3}
+    first = model.loss(batch)
+    assert all(torch.isfinite(v) for v in first.values())
+    assert all(first[k].item() > 0 for k in ("sent", "comp", "obj", "attr", "rel"))
+    assert model.encode_image(data.image_batch(np.arange(4))).shape == (4, 64)
+    assert model.encode_text(data.text_batch(np.arange(5))).shape == (5, 64)
+    r1 = overfit(model, data, steps=100, lr=1e-3)
+    assert r1 >= 90
+    last = model.loss(batch)
+    assert last["loss"].item() < 0.5 * first["loss"].item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_loss_and_negatives():
+    data = TinyPairs(n_images=8)
+    torch.manual_seed(0)
+    model = UniVSE(UniVSEConfig(**SMALL), data.info).cuda()
+    batch = {
+        k: v.cuda() if torch.is_tensor(v) else v for k, v in data.pair_batch(np.arange(8)).items()
+    }
+    batch["epoch"] = 3
+    neg = model.sample_negatives(batch, torch.Generator(device="cuda").manual_seed(0))
+    assert all(v.device.type == "cuda" for v in neg.values())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model.loss(batch, neg)
+        plain = model.loss(batch)  # global RNG
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"].float()) and torch.isfinite(plain["loss"].float())
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
