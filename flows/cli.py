@@ -472,14 +472,24 @@ def cmd_flow(args: argparse.Namespace, params: Params | None) -> int:
     import os
 
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.deploy import TRAINING_FLOWS
     from flows.pipeline import features_flow, pipeline_flow
 
     overrides = dict(item.split("=", 1) for item in args.set)
-    run = {"features": features_flow, "pipeline": pipeline_flow}[args.name]
+    flows = {"features": features_flow, "pipeline": pipeline_flow}
+    flows.update({f"train-{name}": f for name, f in TRAINING_FLOWS.items()})
+    run = flows[args.name]
     states = run(
         root=".", overrides=overrides or None, pull=args.pull, push=args.push, remote=args.remote
     )
     print("flow: " + ", ".join(f"{stage} {state}" for stage, state in states.items()))
+    return 0
+
+
+def cmd_prefect_serve(args: argparse.Namespace, params: Params | None) -> int:
+    from flows.deploy import serve
+
+    serve(args.root, args.limit)
     return 0
 
 
@@ -630,9 +640,14 @@ def build_parser() -> argparse.ArgumentParser:
         "flow",
         help="run DVC stages as a Prefect flow (one task per stage, DVC's lock and cache)",
         description="features: every feature stage and what it needs; pipeline: the whole "
-        "DAG. With -S, the run is one DVC experiment with those params overridden.",
+        "DAG; train-MODEL: one model's training and evaluation. With -S, the run is one DVC "
+        "experiment with those params overridden.",
     )
-    p.add_argument("name", choices=["features", "pipeline"])
+    p.add_argument(
+        "name",
+        choices=["features", "pipeline", *(f"train-{m}" for m in model_cli.MODEL_NAMES)],
+        help="train-MODEL: that model's train@ and evaluate@ stages and what they need",
+    )
     p.add_argument(
         "-S",
         "--set",
@@ -645,6 +660,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push", action="store_true", help="dvc push --run-cache after running")
     p.add_argument("--remote", help="DVC remote for --pull/--push (default: the default one)")
     p.set_defaults(func=cmd_flow, needs_params=False)
+
+    prefect_cmd = commands.add_parser("prefect", help="Prefect deployments of the flows")
+    prefect_commands = prefect_cmd.add_subparsers(
+        dest="prefect_command", required=True, metavar="COMMAND"
+    )
+    p = prefect_commands.add_parser(
+        "serve",
+        help="serve features, pipeline and train-MODEL as deployments <flow>/default",
+        description="Registers every flow with the Prefect API (PREFECT_API_URL) and runs "
+        "the flow runs it is asked for, e.g. `prefect deployment run train-mvvse/default "
+        "-p overrides='{\"models.mvvse.lambda_\": 0.5}' --watch`. Stop with Ctrl-C.",
+    )
+    p.add_argument("--root", default=".", help="repository root the flows run in")
+    p.add_argument("--limit", type=int, default=1, help="flow runs at a time (default 1)")
+    p.set_defaults(func=cmd_prefect_serve, needs_params=False)
 
     stats = commands.add_parser("stats", help="dataset statistics")
     stats_commands = stats.add_subparsers(dest="stats_command", required=True, metavar="COMMAND")

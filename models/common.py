@@ -45,8 +45,13 @@ def cosine_sim(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
 
 def multiview_sim(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
     """``(n_img, V, D) x (n_txt, D) -> (n_img, n_txt)``: the best view per pair (the
-    max-over-views score of MV-VSE eq. 6 and CAMERA eq. 19); inputs already normalised."""
-    return torch.einsum("ivd,td->itv", img, txt).amax(dim=-1)
+    max-over-views score of MV-VSE eq. 6 and CAMERA eq. 19); inputs already normalised.
+    One view at a time, so memory stays one (n_img, n_txt) matrix plus one temporary."""
+    txt_t = txt.t()
+    scores = img[:, 0] @ txt_t
+    for v in range(1, img.shape[1]):
+        scores = torch.maximum(scores, img[:, v] @ txt_t)
+    return scores
 
 
 def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:

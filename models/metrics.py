@@ -30,9 +30,12 @@ def _summary(ranks: torch.Tensor, prefix: str) -> dict[str, float]:
 
 
 def retrieval_ranks(
-    sims: torch.Tensor, caption_to_image: torch.Tensor, chunk: int = 1024
+    sims: torch.Tensor, caption_to_image: torch.Tensor, chunk: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-based ranks of each image query (i2t) and each real caption query (t2i)."""
+    """0-based ranks of each image query (i2t) and each real caption query (t2i).
+
+    One pass over blocks of ``chunk`` image rows, small enough to stay in cache while
+    both directions count the scores above their thresholds."""
     sims = torch.as_tensor(sims)
     c2i = torch.as_tensor(caption_to_image, device=sims.device).long()
     n_img, n_cap = sims.shape
@@ -50,16 +53,16 @@ def retrieval_ranks(
         missing = int(torch.nonzero(torch.isinf(best))[0])
         raise ValueError(f"image {missing} has no caption: every image needs one to be a query")
     i2t = torch.empty(n_img, dtype=torch.long, device=sims.device)
-    for lo in range(0, n_img, chunk):
-        i2t[lo : lo + chunk] = (sims[lo : lo + chunk] > best[lo : lo + chunk, None]).sum(1)
     t2i = torch.zeros(real.numel(), dtype=torch.long, device=sims.device)
-    candidates = sims if real.numel() == n_cap else sims[:, real]  # no copy without distractors
+    all_real = real.numel() == n_cap  # then no column gather (no copy)
     for lo in range(0, n_img, chunk):
-        t2i += (candidates[lo : lo + chunk] > gt[None, :]).sum(0)
+        block = sims[lo : lo + chunk]
+        i2t[lo : lo + chunk] = torch.count_nonzero(block > best[lo : lo + chunk, None], dim=1)
+        t2i += torch.count_nonzero((block if all_real else block[:, real]) > gt[None, :], dim=0)
     return i2t, t2i
 
 
-def retrieval_metrics(sims, caption_to_image, chunk: int = 1024) -> dict[str, float]:
+def retrieval_metrics(sims, caption_to_image, chunk: int = 128) -> dict[str, float]:
     """R@1/5/10 (percent), medr and meanr both ways, and rsum (sum of the six R@K)."""
     i2t, t2i = retrieval_ranks(torch.as_tensor(sims), torch.as_tensor(caption_to_image), chunk)
     out = {**_summary(i2t, "i2t"), **_summary(t2i, "t2i")}
@@ -87,11 +90,17 @@ def similarity_matrix(
     similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     img: torch.Tensor,
     txt: torch.Tensor,
-    chunk: int = 1024,
+    max_elements: int = 2**28,
 ) -> torch.Tensor:
-    """``similarity`` applied to chunks of images against all captions: (n_img, n_txt)."""
-    out = torch.empty(img.shape[0], txt.shape[0], dtype=torch.float32, device=img.device)
+    """``similarity(img, txt)``: (n_img, n_txt) float32. In one call when the result has
+    at most ``max_elements`` entries (1 GiB; COCO 5K x 25K is 125M), else in row chunks
+    of that size, copied into one matrix."""
+    n_img, n_txt = img.shape[0], txt.shape[0]
     with torch.no_grad():
-        for lo in range(0, img.shape[0], chunk):
-            out[lo : lo + chunk] = similarity(img[lo : lo + chunk], txt).float()
+        if n_img * n_txt <= max_elements:
+            return similarity(img, txt).float()
+        rows = max(1, max_elements // n_txt)
+        out = torch.empty(n_img, n_txt, dtype=torch.float32, device=img.device)
+        for lo in range(0, n_img, rows):
+            out[lo : lo + rows] = similarity(img[lo : lo + rows], txt).float()
     return out

@@ -3,6 +3,7 @@ papers report (their datasets, not ours: for orientation only) and a bar plot of
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 # (dataset and protocol, i2t R@1/5/10, t2i R@1/5/10) as printed in the papers
@@ -17,6 +18,16 @@ PAPER_NUMBERS: dict[str, tuple[str, tuple[float, ...]]] = {
     "univse": ("MS-COCO 1K (UniVSE Table 1)", (64.3, 89.2, 94.8, 48.3, 81.7, 91.2)),
 }
 COLUMNS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+
+
+def chance_rsum(result: dict) -> float:
+    """Expected rsum of random scores: i2t R@K = 1 - C(n-p, K) / C(n, K) with p captions
+    per image among n, t2i R@K = K / images."""
+    n, images = result["captions"], result["images"]
+    p = round(n / images)
+    i2t = sum(1 - math.comb(n - p, k) / math.comb(n, k) for k in (1, 5, 10))
+    t2i = sum(min(k / images, 1.0) for k in (1, 5, 10))
+    return 100 * (i2t + t2i)
 
 
 def _fmt(values) -> str:
@@ -49,12 +60,7 @@ def markdown_table(results: dict[str, dict]) -> str:
             f"| {name} | {_fmt(full[c] for c in COLUMNS)} | {full['rsum']:.1f} | {folds_cell} "
             f"| {adv_cells} |"
         )
-    per_image = first["captions"] / first["images"]
-    lines += [
-        "",
-        f"Chance level: i2t R@1 {100 * per_image / first['captions']:.1f}%, "
-        f"t2i R@1 {100 / first['images']:.1f}%.",
-    ]
+    lines += ["", f"Chance level (random scores): rsum {chance_rsum(first):.1f}."]
     classified = {n: r["classification"] for n, r in results.items() if "classification" in r}
     if classified:
         lines += [

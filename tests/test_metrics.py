@@ -75,7 +75,7 @@ def test_folds_average_per_fold_metrics():
 
 def test_similarity_matrix_in_chunks_equals_one_product():
     img, txt = torch.randn(10, 8), torch.randn(33, 8)
-    got = similarity_matrix(lambda a, b: a @ b.t(), img, txt, chunk=3)
+    got = similarity_matrix(lambda a, b: a @ b.t(), img, txt, max_elements=3 * 33)
     torch.testing.assert_close(got, img @ txt.t())
 
 

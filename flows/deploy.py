@@ -1,0 +1,110 @@
+"""One Prefect training flow per model, and the deployments that serve every flow.
+
+``train-<model>`` reproduces the model's ``evaluate@<model>`` DVC stage and everything it
+needs (features, ``train@<model>``), exactly like ``dvc repro evaluate@<model>``: DVC's
+lock and cache decide what runs. The run gets a Markdown artifact with the evaluation
+table. ``serve`` registers ``features``, ``pipeline`` and the five training flows as
+deployments named ``default`` and runs them on request::
+
+    vse prefect serve                                   # in the repository root
+    prefect deployment run train-mvvse/default -p overrides='{"models.mvvse.lambda_": 0.5}' --watch
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.pipeline import _run, features_flow, pipeline_flow
+
+MODEL_NAMES = ("vsepp", "mvvse", "camera", "huse", "univse")
+
+
+def stage_metrics(root: str | Path, stage: str) -> list[Path]:
+    """The metrics files a DVC stage writes, as ``dvc.yaml`` names them."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        for s in repo.index.stages:
+            if s.addressing == stage or getattr(s, "name", None) == stage:
+                return [Path(root) / str(out.def_path) for out in s.outs if out.metric]
+    raise ValueError(f"no DVC stage {stage!r} in {root}/dvc.yaml")
+
+
+def train_and_evaluate(
+    model: str, root: str, overrides: dict | None, pull: bool, push: bool, remote: str | None
+) -> dict[str, str]:
+    """Reproduce ``evaluate@<model>`` and what it needs; attach the evaluation table."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from models.report import markdown_table
+
+    stage = f"evaluate@{model}"
+    states = _run([stage], root, overrides, pull, push, remote)
+    results = {}
+    for path in stage_metrics(root, stage):
+        result = json.loads(path.read_text())
+        results[result.get("model", model)] = result
+    table = markdown_table(results)
+    if overrides:
+        table += "\nParams overridden in this run (a DVC experiment): " + ", ".join(
+            f"`{k}={v}`" for k, v in overrides.items()
+        )
+    create_markdown_artifact(
+        markdown=f"# {model}: evaluation\n\n{table}",
+        key=f"evaluation-{model}",
+        description=f"{model} retrieval metrics on the evaluation split",
+    )
+    get_run_logger().info("evaluation of %s:\n%s", model, table)
+    return states
+
+
+def _training_flow(model: str):
+    def run(
+        root: str = ".",
+        overrides: dict | None = None,
+        pull: bool = False,
+        push: bool = False,
+        remote: str | None = None,
+    ) -> dict[str, str]:
+        return train_and_evaluate(model, root, overrides, pull, push, remote)
+
+    # a module-level name Prefect can load the flow by (the deployment's entrypoint)
+    run.__name__ = run.__qualname__ = f"train_{model}"
+    run.__doc__ = f"Train and evaluate {model}: `dvc repro evaluate@{model}` as Prefect tasks."
+    return flow(name=f"train-{model}", log_prints=True)(run)
+
+
+train_vsepp = _training_flow("vsepp")
+train_mvvse = _training_flow("mvvse")
+train_camera = _training_flow("camera")
+train_huse = _training_flow("huse")
+train_univse = _training_flow("univse")
+TRAINING_FLOWS = {
+    "vsepp": train_vsepp,
+    "mvvse": train_mvvse,
+    "camera": train_camera,
+    "huse": train_huse,
+    "univse": train_univse,
+}
+
+
+def serve(root: str | Path = ".", limit: int = 1) -> None:
+    """Serve every flow as deployment ``<flow>/default`` until interrupted; runs start in
+    this process's environment with ``root`` (absolute) as the repository. ``limit`` runs
+    at a time: DVC serialises stages on one repository anyway."""
+    from prefect import serve as prefect_serve
+
+    root = str(Path(root).resolve())
+    flows = [features_flow, pipeline_flow, *TRAINING_FLOWS.values()]
+    deployments = [
+        f.to_deployment(
+            name="default",
+            parameters={"root": root},
+            description=(f.description or "").strip().splitlines()[0] if f.description else None,
+        )
+        for f in flows
+    ]
+    prefect_serve(*deployments, limit=limit)
