@@ -61,10 +61,13 @@ def test_served_deployment_trains_vsepp_with_an_override(project, tmp_path_facto
     with open(server_log, "w") as out:
         server = subprocess.Popen(
             ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     serve = None
     try:
+
         def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
@@ -75,25 +78,39 @@ def test_served_deployment_trains_vsepp_with_an_override(project, tmp_path_facto
         _wait(healthy, 120, "prefect server", [server_log])
         with open(serve_log, "w") as out:
             serve = subprocess.Popen(
-                ["vse", "prefect", "serve"], cwd=project, env=env, stdout=out,
+                ["vse", "prefect", "serve"],
+                cwd=project,
+                env=env,
+                stdout=out,
                 stderr=subprocess.STDOUT,
             )
 
         def deployed() -> bool:
             result = subprocess.run(
                 ["prefect", "deployment", "inspect", "train-vsepp/default"],
-                env=env, capture_output=True, text=True,
+                env=env,
+                capture_output=True,
+                text=True,
             )
             return result.returncode == 0
 
         _wait(deployed, 120, "train-vsepp/default deployment", [serve_log, server_log])
         result = subprocess.run(
             [
-                "prefect", "deployment", "run", "train-vsepp/default",
-                "-p", 'overrides={"models.vsepp.margin": 0.3}',
-                "--watch", "--watch-timeout", "600",
+                "prefect",
+                "deployment",
+                "run",
+                "train-vsepp/default",
+                "-p",
+                'overrides={"models.vsepp.margin": 0.3}',
+                "--watch",
+                "--watch-timeout",
+                "600",
             ],
-            env=env, capture_output=True, text=True, timeout=700,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=700,
         )
         logs = result.stdout + result.stderr + serve_log.read_text()
         assert result.returncode == 0, logs[-6000:]
@@ -102,12 +119,15 @@ def test_served_deployment_trains_vsepp_with_an_override(project, tmp_path_facto
         metrics = json.loads((project / "metrics/evaluate/vsepp.json").read_text())
         assert metrics["model"] == "vsepp" and metrics["full"]["rsum"] > 0
         lock = yaml.safe_load((project / "dvc.lock").read_text())
-        assert lock["stages"]["train@vsepp"]["params"]["params.yaml"]["models.vsepp"]["margin"] == 0.3
+        params = lock["stages"]["train@vsepp"]["params"]["params.yaml"]
+        assert params["models.vsepp"]["margin"] == 0.3
         experiments = "".join(run(["dvc", "exp", "show", "--json"], project).stdout.split())
         assert '"margin":0.3' in experiments
         artifact = subprocess.run(
             ["prefect", "artifact", "inspect", "evaluation-vsepp"],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert artifact.returncode == 0 and "rsum" in artifact.stdout, artifact.stdout
     finally:
@@ -115,4 +135,3 @@ def test_served_deployment_trains_vsepp_with_an_override(project, tmp_path_facto
             _stop(serve)
         _stop(server)
     assert server.poll() is not None
-
