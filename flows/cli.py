@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from tqdm import tqdm
@@ -20,7 +21,9 @@ from features.ingest import IngestError
 from features.store import StoreError
 from features.text_models import TextModelError
 from flows import model_cli
-from flows.params import Params, load_params
+
+if TYPE_CHECKING:  # params import every model (and torch): only commands that need them
+    from flows.params import Params
 
 
 def _progress(desc: str, unit: str = "img"):
@@ -780,7 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        params = load_params(args.params) if getattr(args, "needs_params", True) else None
+        params = None
+        if getattr(args, "needs_params", True):
+            from flows.params import load_params
+
+            params = load_params(args.params)
         return args.func(args, params)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

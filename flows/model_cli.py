@@ -7,8 +7,10 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flows.params import Params
+if TYPE_CHECKING:
+    from flows.params import Params
 
 MODEL_NAMES = ("vsepp", "mvvse", "camera", "huse", "univse")
 

@@ -71,7 +71,7 @@ def _class_retrieval(query, gallery, q_labels, g_labels, same_set: bool) -> dict
     sims = query @ gallery.t()
     if same_set:
         sims.fill_diagonal_(-torch.inf)
-    top = sims.topk(max(KS), dim=1).indices  # (Q, 10)
+    top = sims.topk(min(max(KS), sims.shape[1]), dim=1).indices  # (Q, <= 10)
     hits = g_labels[top] == q_labels[:, None]
     return {f"r{k}": float(100.0 * hits[:, :k].any(1).double().mean()) for k in KS}
 

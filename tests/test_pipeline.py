@@ -41,20 +41,21 @@ def test_committed_lock_matches_the_code(project):
 
 
 def test_team_b_gets_the_outputs_without_recomputing(project, tmp_path_factory):
-    """Team A pushes outputs and run cache; team B's fresh clone pulls, runs nothing."""
+    """Team A pushes outputs and run cache; team B's fresh clone pulls, runs nothing.
+    (The feature stages: models are shared the same way, but cost more test time.)"""
     remote = tmp_path_factory.mktemp("remote")
-    run(["dvc", "repro"], project)
+    run(["dvc", "repro", "shards"], project)
     run(["dvc", "remote", "add", "-d", "team", str(remote)], project)
     run(["dvc", "push", "--run-cache"], project)
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=a", "-c", "user.email=a@x", "commit", "-qm", "team A"], project)
     manifest = (project / "data/prepared/manifest.parquet").read_bytes()
 
-    for how in (["dvc", "repro", "--pull"], ["dvc", "pull"]):
+    for how in (["dvc", "repro", "--pull", "shards"], ["dvc", "pull", "--with-deps", "shards"]):
         clone = tmp_path_factory.mktemp("team_b") / "repo"
         run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
         result = run(how, clone)
         assert "Running stage" not in result.stdout, result.stdout
         assert (clone / "data/prepared/manifest.parquet").read_bytes() == manifest
-        status = run(["dvc", "status"], clone)
+        status = run(["dvc", "status", "--with-deps", "shards"], clone)
         assert "up to date" in status.stdout, status.stdout
