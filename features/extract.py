@@ -7,15 +7,17 @@
   (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
 
 Only pending shards are read: a rerun after a crash continues where the last committed
-shard ended. Shards are written by a background thread while the next batches run. Each
-phase is timed as what it adds to the wall time: read = waiting for decoded batches,
-infer = the forward passes, write = waiting for a shard write to finish.
+shard ended. With ``shards=``, only those shards are extracted, by a shard writer: how
+several processes (Dask workers, see :mod:`flows.distributed`) fill one store together.
+Shards are written by a background thread while the next batches run. Each phase is timed
+as what it adds to the wall time: read = waiting for decoded batches, infer = the forward
+passes, write = waiting for a shard write to finish.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,20 @@ class ImageItems(Dataset):
         return item
 
 
+def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
+    """The extractor of image stage ``kind`` ("regions" or "grid") from its params."""
+    from features import visual
+
+    device = visual.resolve_device(cfg.device)
+    if kind == "grid":
+        return visual.GridExtractor(visual.build_trunk(cfg), cfg, device)
+    if cfg.backend == "detectron2":
+        from features.detectron2_backend import build_detectron2_extractor
+
+        return build_detectron2_extractor(cfg, device)
+    return visual.RegionExtractor(visual.build_detector(cfg), cfg, device)
+
+
 def keep_list(items: list[dict]) -> list[dict]:
     """DataLoader collate: images differ in size, the extractor batches them itself."""
     return items
@@ -90,6 +106,32 @@ class Timing:
         )
 
 
+def image_store_writer(
+    extractor: Extractor,
+    manifest: Manifest,
+    store_path: Path,
+    cfg: ExtractConfig,
+    store_cfg: StoreConfig,
+    log: Callable[[str], None] = print,
+    shards: Sequence[int] | None = None,
+) -> StoreWriter:
+    """The (unopened) writer of an image store: the extractor's fields plus ``valid``, and
+    the provenance that fingerprints it. A coordinator opens it whole to create or
+    finalize the store; with ``shards`` it is a shard writer of those shards only."""
+    fields = {**extractor.fields(), "valid": FieldSpec((), "uint8")}
+    provenance = Provenance(
+        extractor.name,
+        EXTRACTOR_VERSION,
+        extractor.provenance_params(),
+        weights_digest(cfg.weights, cfg.seed),
+        manifest.digest,
+    )
+    keys = manifest.table["key"].to_pylist()
+    return StoreWriter(
+        store_path, extractor.kind, fields, keys, provenance, store_cfg, log=log, shards=shards
+    )
+
+
 def extract_images(
     extractor: Extractor,
     manifest: Manifest,
@@ -99,23 +141,21 @@ def extract_images(
     store_cfg: StoreConfig,
     log: Callable[[str], None] = print,
     progress: Callable | None = None,
+    shards: Sequence[int] | None = None,
 ) -> Timing:
     """Fill the store at ``store_path`` with the extractor's features for every manifest
-    image (resuming a partial store); returns the per-phase timing."""
+    image (resuming a partial store); returns the per-phase timing.
+
+    With ``shards``, extract only those shards of a store that a coordinator created
+    (:func:`image_store_writer`), as one of several concurrent shard writers; the store is
+    finalized by the coordinator once every shard is committed.
+    """
     rows = manifest.table.to_pylist()
-    fields = {**extractor.fields(), "valid": FieldSpec((), "uint8")}
-    provenance = Provenance(
-        extractor.name,
-        EXTRACTOR_VERSION,
-        extractor.provenance_params(),
-        weights_digest(cfg.weights, cfg.seed),
-        manifest.digest,
-    )
     timing = Timing()
     start_all = time.perf_counter()
-    with StoreWriter(
-        store_path, extractor.kind, fields, [r["key"] for r in rows], provenance, store_cfg, log=log
-    ) as writer:
+    writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)
+    fields = writer.fields
+    with writer:
         pending = writer.pending_shards()
         order = [i for shard in pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(

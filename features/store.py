@@ -21,7 +21,15 @@ every file of a directory output). The writer commits whole shards: it writes th
 then the marker, each file by atomic rename (Zarr's local store writes a temp file and
 renames it). A reader trusts only committed shards, so it never sees a half-written one; a
 rerun after a crash rewrites every uncommitted shard and ends bitwise identical to an
-uninterrupted run. One writer at a time: ``<store>/.lock`` is held with ``flock``.
+uninterrupted run.
+
+Writers lock ``<store>/.lock`` with ``flock``. A whole-store writer (the default) holds it
+exclusively: it alone creates, resumes, starts over and finalizes the store. A store of
+dense fields only can also be filled by several processes at once (e.g. Dask workers), each
+a *shard writer* (``StoreWriter(..., shards=[...])``): distinct shards are distinct files,
+so shard writers share ``.lock`` and each holds an exclusive lock per shard
+(``.shard_locks/<k>``), commits its own shards and never finalizes; a whole-store writer
+opened afterwards finalizes the store and sweeps the lock files.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from features.config import Section
 SCHEMA_VERSION = 1
 COMMITS = "_commits"
 LOCK = ".lock"
+SHARD_LOCKS = ".shard_locks"  # one lock file per shard held by a shard writer
 RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
 
 
@@ -143,6 +152,14 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
+def _same_file(handle, path: Path) -> bool:
+    """Whether an open file is still the one at ``path`` (not unlinked or replaced)."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 # --------------------------------------------------------------------------- writer
 
 
@@ -157,6 +174,12 @@ class StoreWriter:
             for shard in writer.pending_shards():
                 start, stop = writer.shard_range(shard)
                 writer.write_shard(shard, {"features": ..., ...})
+
+    With ``shards``, the writer is a *shard writer*: one of several processes filling
+    disjoint shards of a dense store concurrently. It opens a store that a whole-store
+    writer created (never creates, resumes ragged rows or starts one over), writes only
+    the given shards, each under its own lock, and never finalizes: open a whole-store
+    writer once every shard writer is done to finalize the store.
     """
 
     def __init__(
@@ -168,6 +191,7 @@ class StoreWriter:
         provenance: Provenance,
         cfg: StoreConfig | None = None,
         log=print,
+        shards: Sequence[int] | None = None,
     ):
         self.path = Path(path)
         self.kind = kind
@@ -180,6 +204,16 @@ class StoreWriter:
         self.n_shards = -(-self.n // cfg.samples_per_shard)
         self.log = log
         self._lock_file = None
+        self._shard_lock_files: list = []
+        self.only: list[int] | None = None  # a shard writer's shards
+        if shards is not None:
+            self.only = sorted({int(k) for k in shards})
+            outside = [k for k in self.only if not 0 <= k < self.n_shards]
+            if outside:
+                raise StoreError(
+                    f"store {self.path}: shard(s) {outside} out of range; it has "
+                    f"{self.n_shards} shards (0..{self.n_shards - 1})"
+                )
 
     # -- lifecycle
 
@@ -191,10 +225,15 @@ class StoreWriter:
         self.close()
 
     def open(self) -> None:
+        if self.only is not None:
+            self._open_shards()
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire_lock()
         for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
             partial.unlink()
+        # no shard writer can hold a lock while we hold .lock exclusively
+        shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
         existing = self._existing_attrs()
         if existing is not None and not self._same_store(existing):
             self.log(
@@ -219,33 +258,118 @@ class StoreWriter:
                 self._truncate_ragged(markers)
 
     def close(self) -> None:
+        for handle in self._shard_lock_files:  # lock files stay: only .lock's owner sweeps
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+        self._shard_lock_files = []
         if self._lock_file is None:
             return
-        if len(self.committed) == self.n_shards and not self.group.attrs["vse"].get("complete"):
-            self._finalize()
-        (self.path / LOCK).unlink(missing_ok=True)
+        if self.only is None:  # shard writers never finalize nor remove the shared lock
+            done = len(self.committed) == self.n_shards
+            if done and not self.group.attrs["vse"].get("complete"):
+                self._finalize()
+            (self.path / LOCK).unlink(missing_ok=True)
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
         self._lock_file = None
 
-    def _acquire_lock(self) -> None:
+    def _acquire_lock(self, shared: bool = False) -> None:
+        """``flock`` ``.lock``: exclusively for a whole-store writer, shared by shard writers.
+
+        The lock file is unlinked when an exclusive writer closes; a lock taken on a file
+        that was unlinked meanwhile protects nothing, so it is taken again on the new file.
+        """
         lock_path = self.path / LOCK
-        handle = open(lock_path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        while True:
+            handle = open(lock_path, "a+")
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                lines = [line for line in handle.read().splitlines() if line.strip()]
+                holder = "; ".join(lines[-3:]) or "another process"  # the latest ones
+                handle.close()
+                raise StoreError(
+                    f"store {self.path} is locked by a running writer ({holder}); wait for it "
+                    "to finish, or stop it, before writing this store"
+                ) from None
+            if _same_file(handle, lock_path):
+                break
             handle.close()
-            raise StoreError(
-                f"store {self.path} is locked by a running writer ({holder}); wait for it to "
-                "finish, or stop it, before writing this store"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+        if shared:  # shard writers list themselves; the next exclusive writer truncates
+            handle.write(f"shard writer {me}\n")
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{me}\n")
         handle.flush()
         self._lock_file = handle
+
+    def _open_shards(self) -> None:
+        """Open as a shard writer: shared store lock, one exclusive lock per own shard."""
+        ragged = self._ragged_names()
+        if ragged:
+            raise StoreError(
+                f"store {self.path}: ragged field(s) {ragged} put each shard's rows after the "
+                "previous shard's, so this store is written in order by one writer; open it "
+                "without shards= (and do not fan its shards out)"
+            )
+        if not (self.path / "zarr.json").is_file():
+            raise StoreError(
+                f"store {self.path} does not exist; create it first with one StoreWriter "
+                "without shards= (the coordinator), then start the shard writers"
+            )
+        self._acquire_lock(shared=True)
+        try:
+            existing = self._existing_attrs()
+            if existing is None or not self._same_store(existing):
+                found = (existing or {}).get("fingerprint", "?")[:12]
+                raise StoreError(
+                    f"store {self.path} was made from other inputs or with another layout "
+                    f"(fingerprint {found} != {self.fingerprint[:12]}); a shard writer never "
+                    "starts a store over: recreate it with one StoreWriter without shards= "
+                    "(the coordinator) first"
+                )
+            self._lock_shards()
+            self.group = zarr.open_group(self.path, mode="r+")
+            self.commits = self.group[COMMITS]
+            markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
+            self.committed = {k for k, m in enumerate(markers) if m}
+            for shard in self.pending_shards():  # temp files of a killed writer of our shards
+                for rel in self._shard_files(shard):
+                    for partial in (self.path / rel).parent.glob(f"{Path(rel).name}.*.partial"):
+                        partial.unlink(missing_ok=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_shards(self) -> None:
+        folder = self.path / SHARD_LOCKS
+        folder.mkdir(exist_ok=True)
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        for shard in self.only:
+            handle = open(folder / str(shard), "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise StoreError(
+                    f"store {self.path}: shard {shard} is being written by another shard "
+                    f"writer ({holder}); give each writer its own shards"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{me}\n")
+            handle.flush()
+            self._shard_lock_files.append(handle)
+
+    def _shard_files(self, shard: int) -> list[str]:
+        """Files of a dense shard, relative to the store: one per field, and its marker."""
+        files = [_chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
+        return [*files, _chunk_key(COMMITS, shard, 1)]
 
     def _existing_attrs(self) -> dict | None:
         if not (self.path / "zarr.json").exists():
@@ -366,7 +490,9 @@ class StoreWriter:
         return start, min(start + self.cfg.samples_per_shard, self.n)
 
     def pending_shards(self) -> list[int]:
-        return [k for k in range(self.n_shards) if k not in self.committed]
+        """Uncommitted shards (of a shard writer: its own), in order."""
+        shards = range(self.n_shards) if self.only is None else self.only
+        return [k for k in shards if k not in self.committed]
 
     def write_shard(
         self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
@@ -382,6 +508,11 @@ class StoreWriter:
             self._write_shard(shard, data, dict(notes or {}))
 
     def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
+        if self.only is not None and shard not in self.only:
+            raise StoreError(
+                f"store {self.path}: shard {shard} is not one of this shard writer's shards "
+                f"{self.only}; another writer may be writing it"
+            )
         start, stop = self.shard_range(shard)
         if set(data) != set(self.fields):
             raise StoreError(

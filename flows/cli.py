@@ -289,27 +289,15 @@ def _report_bad_images(
 def cmd_extract_images(args: argparse.Namespace, params: Params) -> int:
     import warnings
 
-    from features import visual
-    from features.extract import extract_images
+    from features.extract import build_image_extractor, extract_images
     from features.ingest import read_manifest
 
     manifest = read_manifest(Path(args.manifest))
-    if args.command_name == "regions":
-        cfg = params.regions
-        device = visual.resolve_device(cfg.device)
-        if cfg.backend == "detectron2":
-            from features.detectron2_backend import build_detectron2_extractor
-
-            extractor = build_detectron2_extractor(cfg, device)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                model = visual.build_detector(cfg)
-            extractor = visual.RegionExtractor(model, cfg, device)
-    else:
-        cfg = params.grid
-        device = visual.resolve_device(cfg.device)
-        extractor = visual.GridExtractor(visual.build_trunk(cfg), cfg, device)
+    cfg = params.regions if args.command_name == "regions" else params.grid
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the random-init warning, every time
+        extractor = build_image_extractor(args.command_name, cfg)
+    device = extractor.device
     print(f"extract {args.command_name}: {extractor.name} on {device}, {len(manifest)} images")
     timing = extract_images(
         extractor,
@@ -482,8 +470,18 @@ def cmd_flow(args: argparse.Namespace, params: Params | None) -> int:
     flows = {"features": features_flow, "pipeline": pipeline_flow}
     flows.update({f"train-{name}": f for name, f in TRAINING_FLOWS.items()})
     run = flows[args.name]
+    extra = {}
+    if args.dask_workers or args.dask_address:
+        if args.name != "features":
+            raise ConfigError("--dask-workers/--dask-address apply to the features flow only")
+        extra = {"dask_workers": args.dask_workers, "dask_address": args.dask_address}
     states = run(
-        root=".", overrides=overrides or None, pull=args.pull, push=args.push, remote=args.remote
+        root=".",
+        overrides=overrides or None,
+        pull=args.pull,
+        push=args.push,
+        remote=args.remote,
+        **extra,
     )
     print("flow: " + ", ".join(f"{stage} {state}" for stage, state in states.items()))
     return 0
@@ -662,6 +660,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull", action="store_true", help="dvc pull before running")
     p.add_argument("--push", action="store_true", help="dvc push --run-cache after running")
     p.add_argument("--remote", help="DVC remote for --pull/--push (default: the default one)")
+    p.add_argument(
+        "--dask-workers",
+        type=int,
+        default=0,
+        help="features: fill the image stores over a local Dask cluster of N processes",
+    )
+    p.add_argument(
+        "--dask-address", help="features: ... or over a running Dask scheduler (tcp://host:8786)"
+    )
     p.set_defaults(func=cmd_flow, needs_params=False)
 
     prefect_cmd = commands.add_parser("prefect", help="Prefect deployments of the flows")

@@ -10,9 +10,12 @@ and, later, deployments. Parameter overrides run as one DVC experiment
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+
+from flows.distributed import DaskFanOut
 
 FEATURE_STAGES = ("regions", "grid", "global", "text", "scenegraph", "sbert_stats", "shards")
 
@@ -73,6 +76,7 @@ def _run(
     pull: bool,
     push: bool,
     remote: str | None,
+    before_stage: Callable[[str], object] | None = None,
 ) -> dict[str, str]:
     remote_args = ["-r", remote] if remote else []
     if pull:
@@ -84,6 +88,8 @@ def _run(
     else:
         states = {}
         for stage in stages:  # in DAG order: each waits for the one before
+            if before_stage is not None:
+                before_stage(stage)
             states[stage] = run_stage(stage, root)
     if push:
         _dvc(["push", "--run-cache", *remote_args], root, "push")
@@ -98,10 +104,26 @@ def features_flow(
     pull: bool = False,
     push: bool = False,
     remote: str | None = None,
+    dask_workers: int = 0,
+    dask_address: str | None = None,
 ) -> dict[str, str]:
-    """Every feature stage and what it needs (manifest, stores, shards)."""
+    """Every feature stage and what it needs (manifest, stores, shards).
+
+    With ``dask_workers`` (a local Dask cluster of that many processes) or ``dask_address``
+    (a running cluster's scheduler), the stores of the image stages (regions, grid) are
+    first filled shard by shard over the cluster (:mod:`flows.distributed`); DVC then runs
+    the stages as usual, finds every shard committed, and records them in dvc.lock.
+    """
     present = set(dag_order(root))
-    return _run([s for s in FEATURE_STAGES if s in present], root, overrides, pull, push, remote)
+    targets = [s for s in FEATURE_STAGES if s in present]
+    with DaskFanOut(root, dask_workers, dask_address) as fan_out:
+        if fan_out.enabled and overrides:
+            raise ValueError(
+                "a Dask fan-out fills stores from params.yaml, but overrides run as a DVC "
+                "experiment; drop dask_workers/dask_address or the overrides"
+            )
+        hook = fan_out if fan_out.enabled else None
+        return _run(targets, root, overrides, pull, push, remote, before_stage=hook)
 
 
 @flow(name="pipeline")

@@ -1,0 +1,432 @@
+"""Distributed image extraction: the shards of a store fanned out over a Dask cluster by
+Prefect's Dask task runner (prefect-dask). Dask schedules; nothing here does.
+
+::
+
+    coordinator (the flow)                   Dask workers: one Prefect task per group
+    plan      create or resume the store  -> build the extractor (once per worker process)
+    fan out   pending shards, in groups   -> extract_images(..., shards=group): a shard
+                                             writer commits exactly its own shards
+    finalize  every shard committed       -> the store is complete
+
+A shard's content depends only on its images, so the store ends bitwise identical to a
+single-process run, given (1) batches that start at shard boundaries in both
+(``samples_per_shard`` a multiple of ``batch_size``, as with the default layout) and (2)
+the same number of torch threads per process: Dask's nanny starts workers with
+``OMP_NUM_THREADS=1``, and CPU kernels sum in a thread-dependent order, so a 2-thread
+single process differs in the last bit here and there (about one float16 ulp). Workers
+must see the coordinator's paths (one machine, or a shared file system). Heavy models are
+built in the workers from the stage's params, never pickled; Dask's worker processes are
+daemonic and cannot start DataLoader workers, so there images are decoded in the task.
+
+Used two ways:
+
+- ``features`` flow (:mod:`flows.pipeline`) with ``dask_workers=N`` or ``dask_address``:
+  before DVC runs ``regions`` / ``grid``, :class:`DaskFanOut` fills the stage's store,
+  then ``dvc repro --single-item <stage>`` finds every shard committed, only writes its
+  reports, and records the outputs in ``dvc.lock`` (DVC stays the source of truth);
+- alone: ``python -m flows.distributed grid --workers 2`` fills the store of a dvc.yaml
+  stage (paths and params from its ``cmd``), then ``dvc repro grid`` records it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import shlex
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger, task
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from features.store import Store, StoreConfig, StoreError
+from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
+
+DISTRIBUTED_STAGES = ("regions", "grid")  # image stores: dense fields only
+CONFIGS: dict[str, type[ExtractConfig]] = {"regions": RegionsConfig, "grid": GridConfig}
+
+
+class ExtractJob(BaseModel):
+    """One image stage's extraction as plain data (it travels to every worker): absolute
+    paths, the stage's validated params section and the store layout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: Literal["regions", "grid"]
+    manifest: str
+    images: str
+    out: str
+    cfg: dict[str, Any]  # the stage's params.yaml section, defaults filled in
+    store: StoreConfig = StoreConfig()
+
+    @model_validator(mode="after")
+    def _validate_cfg(self) -> ExtractJob:
+        CONFIGS[self.stage].model_validate(self.cfg)
+        return self
+
+    @property
+    def config(self) -> ExtractConfig:
+        return CONFIGS[self.stage].model_validate(self.cfg)
+
+    @classmethod
+    def make(cls, stage, manifest, images, out, cfg: ExtractConfig, store: StoreConfig):
+        return cls(
+            stage=stage,
+            manifest=str(Path(manifest).resolve()),
+            images=str(Path(images).resolve()),
+            out=str(Path(out).resolve()),
+            cfg=cfg.model_dump(mode="json"),
+            store=store,
+        )
+
+
+def job_from_dvc(stage: str, root: str | Path = ".") -> ExtractJob:
+    """The job of a dvc.yaml image stage: its ``vse extract`` command parsed by the ``vse``
+    parser itself (so paths mean what they mean to the stage), params from its params file.
+    """
+    from dvc.repo import Repo
+
+    from flows.cli import build_parser, cmd_extract_images
+    from flows.params import load_params
+
+    with Repo(str(root)) as repo:
+        stages = {getattr(s, "name", None): s for s in repo.index.stages}
+    if stage not in stages:
+        raise ValueError(f"{root}: dvc.yaml has no stage {stage!r}")
+    cmd, wdir = stages[stage].cmd, Path(stages[stage].wdir)
+    argv = shlex.split(cmd) if isinstance(cmd, str) else []
+    try:
+        args = build_parser().parse_args(argv[1:]) if argv[:1] == ["vse"] else None
+    except SystemExit:
+        args = None
+    if args is None or args.func is not cmd_extract_images or args.command_name != stage:
+        raise ValueError(
+            f"DVC stage {stage!r} runs {cmd!r}, not `vse extract {stage} ...`; only image "
+            f"stages {DISTRIBUTED_STAGES} with their `vse extract` command can fan out"
+        )
+    params = load_params(wdir / args.params)
+    return ExtractJob.make(
+        stage,
+        wdir / args.manifest,
+        wdir / args.images,
+        wdir / args.out,
+        getattr(params, stage),
+        params.store,
+    )
+
+
+# --------------------------------------------------------------------------- worker side
+
+_EXTRACTORS: dict[str, Any] = {}  # per worker process: the last extractor built, by config
+
+
+def worker_extractor(job: ExtractJob):
+    """The job's extractor, built in this (worker) process on first use and kept, so the
+    tasks of a job that land on the same worker share one model."""
+    key = json.dumps([job.stage, job.cfg], sort_keys=True)
+    if key not in _EXTRACTORS:
+        _EXTRACTORS.clear()
+        from features.extract import build_image_extractor
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # a random-init warning in every worker's log
+            _EXTRACTORS[key] = build_image_extractor(job.stage, job.config)
+    return _EXTRACTORS[key]
+
+
+def _store_writer(job: ExtractJob, log, shards=None):
+    from features.extract import image_store_writer
+    from features.ingest import read_manifest
+
+    manifest = read_manifest(Path(job.manifest))
+    extractor = worker_extractor(job)
+    return image_store_writer(
+        extractor, manifest, Path(job.out), job.config, job.store, log=log, shards=shards
+    )
+
+
+@task(task_run_name="plan {job.stage}")
+def plan_store(job: ExtractJob) -> list[int]:
+    """Create or resume the store as its one whole-store writer; its pending shards."""
+    logger = get_run_logger()
+    with _store_writer(job, logger.info) as writer:
+        return writer.pending_shards()
+
+
+def _group_name(parameters: dict) -> str:
+    shards = parameters["shards"]
+    return f"{parameters['job'].stage} shards {shards[0]}-{shards[-1]}"
+
+
+@task(task_run_name=_group_name, retries=1, retry_delay_seconds=5)
+def extract_shards(job: ExtractJob, shards: list[int]) -> dict:
+    """Extract and commit ``shards`` of the store (a shard writer); timing of the group.
+    A retry resumes: shards committed before a failure are skipped."""
+    from features.extract import extract_images
+    from features.ingest import read_manifest
+
+    logger = get_run_logger()
+    cfg = job.config
+    if cfg.num_workers and multiprocessing.current_process().daemon:
+        logger.info("daemonic Dask worker: images decoded in the task (num_workers 0)")
+        cfg = cfg.model_copy(update={"num_workers": 0})  # a daemon cannot have children
+    timing = extract_images(
+        worker_extractor(job),
+        read_manifest(Path(job.manifest)),
+        Path(job.images),
+        Path(job.out),
+        cfg,
+        job.store,
+        log=logger.info,
+        shards=shards,
+    )
+    logger.info("%s shards %s: %s", job.stage, shards, timing.summary())
+    return {
+        "shards": len(shards),
+        "images": timing.images,
+        "seconds": timing.seconds,
+        "read": timing.read,
+        "infer": timing.infer,
+        "write": timing.write,
+    }
+
+
+@task(task_run_name="finalize {job.stage}")
+def finalize_store(job: ExtractJob) -> dict:
+    """Open the store whole once every shard writer is done: it is finalized (and its
+    temp and lock files swept) if every shard is committed; an error naming the
+    missing shards otherwise."""
+    logger = get_run_logger()
+    with _store_writer(job, logger.info) as writer:
+        missing = writer.pending_shards()
+    if missing:
+        raise StoreError(
+            f"store {job.out}: shard(s) {missing} are still not committed after the fan-out; "
+            "rerun to extract them (committed shards are kept)"
+        )
+    store = Store.open(job.out)
+    return {"samples": len(store), "bad_images": len(store.notes())}
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+@flow(name="extract-distributed", flow_run_name="extract-{job.stage}")
+def extract_distributed(job: ExtractJob, shards_per_task: int = 1) -> dict:
+    """Fill the job's store over the flow's Dask task runner: plan, one task per group of
+    ``shards_per_task`` pending shards, finalize. Returns counts and throughput."""
+    logger = get_run_logger()
+    if shards_per_task < 1:
+        raise ValueError(f"shards_per_task must be >= 1, got {shards_per_task}")
+    cfg = job.config
+    if job.store.samples_per_shard % cfg.batch_size:
+        logger.warning(
+            "%s.batch_size %d does not divide store.samples_per_shard %d: batches straddle "
+            "shards differently than in a single-process run, whose features may then differ "
+            "in the last bits",
+            job.stage,
+            cfg.batch_size,
+            job.store.samples_per_shard,
+        )
+    start = time.perf_counter()
+    pending = plan_store.submit(job).result()
+    summary = {"stage": job.stage, "store": job.out, "shards": len(pending), "images": 0}
+    if not pending:
+        logger.info("%s: every shard of %s is committed; nothing to extract", job.stage, job.out)
+        return summary
+    groups = [pending[i : i + shards_per_task] for i in range(0, len(pending), shards_per_task)]
+    logger.info(
+        "%s: %d pending shard(s) of %s in %d task(s) over the Dask cluster",
+        job.stage,
+        len(pending),
+        job.out,
+        len(groups),
+    )
+    futures = [extract_shards.submit(job, group) for group in groups]
+    results, failed = [], []
+    for group, future in zip(groups, futures, strict=True):
+        try:
+            results.append(future.result())
+        except Exception as err:  # wait for every group before failing: keep their commits
+            failed.append(f"shards {group}: {type(err).__name__}: {err}")
+    if failed:
+        raise StoreError(
+            f"{job.stage}: {len(failed)} of {len(groups)} task(s) failed; committed shards "
+            f"are kept, rerun to resume. " + " | ".join(failed[:5])
+        )
+    summary.update(finalize_store.submit(job).result())
+    seconds = time.perf_counter() - start
+    images = sum(r["images"] for r in results)
+    summary.update(
+        images=images,
+        seconds=round(seconds, 2),
+        images_per_s=round(images / max(seconds, 1e-9), 2),
+        shards_per_s=round(len(pending) / max(seconds, 1e-9), 3),
+        task_seconds={k: round(sum(r[k] for r in results), 2) for k in ("read", "infer", "write")},
+    )
+    logger.info(
+        "%s: %d images in %d shard(s) in %.1f s (%.1f img/s, %.2f shards/s over %d task(s)); "
+        "summed over tasks: read %.1f s, infer %.1f s, write %.1f s",
+        job.stage,
+        images,
+        len(pending),
+        seconds,
+        summary["images_per_s"],
+        summary["shards_per_s"],
+        len(groups),
+        *summary["task_seconds"].values(),
+    )
+    return summary
+
+
+def dask_task_runner(workers: int = 2, address: str | None = None):
+    """Prefect's Dask task runner on the cluster at ``address``, or on a LocalCluster of
+    ``workers`` single-threaded processes that lives as long as the flow run."""
+    from prefect_dask import DaskTaskRunner
+
+    if address:
+        return DaskTaskRunner(address=address)
+    if workers < 1:
+        raise ValueError(f"a local Dask cluster needs workers >= 1, got {workers}")
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True},
+    )
+
+
+def _shared_prefect_api():
+    """Settings that send the workers' task runs to this process's Prefect API.
+
+    With no ``PREFECT_API_URL``, Prefect starts a temporary server per process, so every
+    Dask worker would start its own (10-20 s each, and its task runs would be recorded
+    there): hand the workers this process's temporary server instead.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        return contextlib.nullcontext()
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the one Prefect itself uses in this process
+    server.start()
+    return temporary_settings(updates={PREFECT_API_URL: server.api_url})
+
+
+def run_distributed(
+    job: ExtractJob, workers: int = 2, address: str | None = None, shards_per_task: int = 1
+) -> dict:
+    """Run :func:`extract_distributed` on a Dask cluster (see :func:`dask_task_runner`)."""
+    runner = dask_task_runner(workers, address)
+    with _shared_prefect_api():
+        return extract_distributed.with_options(task_runner=runner)(
+            job=job, shards_per_task=shards_per_task
+        )
+
+
+def stage_up_to_date(stage: str, root: str | Path) -> bool:
+    """Whether DVC would skip the stage (deps, params and outs match dvc.lock)."""
+    result = subprocess.run(
+        ["dvc", "status", "--json", stage], cwd=root, capture_output=True, text=True
+    )
+    if result.returncode:
+        raise RuntimeError(
+            f"dvc status {stage} failed (exit {result.returncode}) in {root}: "
+            f"{result.stderr.strip()[-2000:]}"
+        )
+    return not json.loads(result.stdout or "{}")
+
+
+class DaskFanOut:
+    """The ``features`` flow's hook before each DVC stage: fills an image stage's store
+    over one Dask cluster (at ``address``, or a LocalCluster of ``workers`` processes,
+    started on first use and shared by the stages), unless DVC would skip the stage."""
+
+    def __init__(
+        self,
+        root: str | Path = ".",
+        workers: int = 0,
+        address: str | None = None,
+        shards_per_task: int = 1,
+    ):
+        if workers < 0:
+            raise ValueError(f"dask_workers must be >= 0, got {workers}")
+        if workers and address:
+            raise ValueError(
+                "give dask_workers (start a local Dask cluster) or dask_address (use a "
+                "running one), not both"
+            )
+        self.root, self.workers, self.address = root, workers, address
+        self.shards_per_task = shards_per_task
+        self._cluster = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.workers or self.address)
+
+    def __enter__(self) -> DaskFanOut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+
+    def _scheduler(self) -> str:
+        if self.address:
+            return self.address
+        if self._cluster is None:
+            from distributed import LocalCluster
+
+            self._cluster = LocalCluster(
+                n_workers=self.workers, threads_per_worker=1, processes=True
+            )
+        return self._cluster.scheduler_address
+
+    def __call__(self, stage: str) -> dict | None:
+        """Pre-fill ``stage``'s store; None when it is not an image stage or is up to date."""
+        if not self.enabled or stage not in DISTRIBUTED_STAGES:
+            return None
+        if stage_up_to_date(stage, self.root):
+            get_run_logger().info("%s: up to date in dvc.lock; no Dask fan-out", stage)
+            return None
+        job = job_from_dvc(stage, self.root)
+        return run_distributed(job, address=self._scheduler(), shards_per_task=self.shards_per_task)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.distributed STAGE``: fill a dvc.yaml image stage's store."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.distributed",
+        description="Fill the store of a DVC image stage (regions, grid) over a Dask cluster "
+        "through Prefect's Dask task runner; then `dvc repro STAGE` records it.",
+    )
+    parser.add_argument("stage", choices=DISTRIBUTED_STAGES)
+    parser.add_argument("--root", default=".", help="DVC repository (default: %(default)s)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, default=2, help="local cluster processes")
+    where.add_argument("--address", help="scheduler of a running cluster, e.g. tcp://h:8786")
+    parser.add_argument("--shards-per-task", type=int, default=1, help="shards per task")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    summary = run_distributed(
+        job_from_dvc(args.stage, args.root), args.workers, args.address, args.shards_per_task
+    )
+    print(json.dumps(summary, indent=2))
+    print(f"now record it: dvc repro {args.stage}")
+    return 0
+
+
+if __name__ == "__main__":
+    # run this module's functions from its imported copy, not from __main__, so that Dask
+    # pickles the tasks by reference and workers keep their models between tasks
+    from flows.distributed import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,197 @@
+"""Distributed extraction: concurrent shard writers of one store, and a grid extraction
+fanned out over a 2-worker Dask LocalCluster by Prefect, both ending identical to a
+single-writer run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from features.demo import DemoConfig, build_dataset
+from features.extract import extract_images
+from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
+from features.store import Store, StoreConfig, StoreError, StoreWriter
+from features.visual import GridExtractor, build_trunk
+from features.visual_config import GridConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+import store_writer_job as job  # noqa: E402
+from test_store import files_of  # noqa: E402
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM initialisation")
+
+# A shard writer of the crash-test store: opens, says so, waits for "go", then commits
+# its shards one by one (saying so), slowly enough to be killed in between.
+SHARD_WRITER = """
+import sys, time
+import store_writer_job as job
+from features.store import StoreConfig, StoreWriter
+path, shards = sys.argv[1], [int(k) for k in sys.argv[2].split(",")]
+keys = [f"img{i:04d}" for i in range(120)]
+cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+fields = job.fields_for("regions")
+with StoreWriter(path, "regions", fields, keys, job.PROVENANCE, cfg, shards=shards) as w:
+    print("open", flush=True)
+    sys.stdin.readline()
+    for shard in w.pending_shards():
+        w.write_shard(shard, job.shard_data("regions", *w.shard_range(shard)))
+        print(f"committed {shard}", flush=True)
+        time.sleep(0.05)
+"""
+
+
+def start_shard_writer(path: Path, shards: list[int]) -> subprocess.Popen:
+    tests, repo = Path(__file__).parent, Path(__file__).parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SHARD_WRITER, str(path), ",".join(map(str, shards))],
+        env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tests}"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "open\n"
+    return proc
+
+
+def writer(path: Path, shards=None, kind="regions", n=120) -> StoreWriter:
+    keys = [f"img{i:04d}" for i in range(n)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+    return StoreWriter(path, kind, job.fields_for(kind), keys, job.PROVENANCE, cfg, shards=shards)
+
+
+def test_concurrent_shard_writers_give_the_single_writer_store(tmp_path):
+    job.run(tmp_path / "single.zarr", "regions", 120, 8)
+    target = tmp_path / "shared.zarr"
+    with writer(target) as coordinator:  # creates the store; 15 shards pending
+        assert coordinator.pending_shards() == list(range(15))
+    evens = start_shard_writer(target, list(range(0, 15, 2)))
+    odds = start_shard_writer(target, list(range(1, 15, 2)))
+    # both hold their shards: a whole-store writer and an overlapping shard writer wait
+    with pytest.raises(StoreError, match="locked by a running writer \\(shard writer pid"):
+        writer(target).open()
+    with pytest.raises(StoreError, match="shard 3 is being written by another shard writer"):
+        writer(target, shards=[3, 4]).open()
+    for proc in (evens, odds):
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    assert odds.stdout.readline() == "committed 1\n"
+    odds.kill()  # a crashed worker: its committed shards stay, a rerun resumes the rest
+    odds.wait()
+    assert evens.wait() == 0
+    partial = Store.open(target, require_complete=False)
+    assert partial.committed[0::2].all() and partial.committed[1] and not partial.committed.all()
+    rerun = start_shard_writer(target, list(range(1, 15, 2)))
+    rerun.communicate("go\n")
+    assert rerun.returncode == 0
+    assert not Store.open(target).attrs["complete"]  # shard writers never finalize
+    with writer(target) as coordinator:  # finalizes, sweeps temp and lock files
+        assert coordinator.pending_shards() == []
+    assert files_of(target) == files_of(tmp_path / "single.zarr")
+    assert Store.open(target).verify() == []
+
+
+def test_shard_writers_refuse_ragged_missing_and_other_stores(tmp_path):
+    with writer(tmp_path / "t.zarr", kind="tokens"):
+        pass
+    with pytest.raises(StoreError, match="ragged field\\(s\\) \\['features'\\] .* in order"):
+        writer(tmp_path / "t.zarr", shards=[0], kind="tokens").open()
+    with pytest.raises(StoreError, match="does not exist; create it first"):
+        writer(tmp_path / "none.zarr", shards=[0]).open()
+    with writer(tmp_path / "r.zarr", n=16):
+        pass
+    with pytest.raises(StoreError, match="made from other inputs .* never starts a store over"):
+        writer(tmp_path / "r.zarr", shards=[0]).open()  # 120 samples, not 16
+    with pytest.raises(StoreError, match="shard\\(s\\) \\[15\\] out of range"):
+        writer(tmp_path / "r.zarr", shards=[15])
+    with writer(tmp_path / "r2.zarr"):
+        pass
+    with writer(tmp_path / "r2.zarr", shards=[2]) as w:
+        with pytest.raises(StoreError, match="shard 3 is not one of this shard writer's"):
+            w.write_shard(3, job.shard_data("regions", 24, 32))
+    assert sorted(p.name for p in (tmp_path / "r2.zarr").iterdir() if p.name[0] == ".") == [
+        ".lock",
+        ".shard_locks",
+    ]  # a shard writer leaves both to the next whole-store writer, which sweeps them
+    with writer(tmp_path / "r2.zarr"):
+        pass
+    assert not [p for p in (tmp_path / "r2.zarr").iterdir() if p.name[0] == "."]
+
+
+# --------------------------------------------------------------------------- Dask fan-out
+
+LAYOUT = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster(harness):
+    from distributed import LocalCluster
+
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A 12/4/4 demo dataset at 64px and its manifest: 20 images, 5 shards of 4."""
+    root = tmp_path_factory.mktemp("demo")
+    build_dataset(DemoConfig(n_train=12, n_val=4, n_test=4, image_size=64), root)
+    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
+    records, _ = validate(dataset, root / "images", 5)
+    write_manifest(records, dataset, 5, root / "manifest.parquet")
+    return root
+
+
+def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
+    from flows.distributed import ExtractJob, run_distributed
+
+    cfg = GridConfig(
+        architecture="resnet50", image_size=64, grid=3, stages=1, batch_size=2, num_workers=1
+    )
+    manifest = read_manifest(demo / "manifest.parquet")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each single-threaded Dask worker
+    try:
+        one = cfg.model_copy(update={"num_workers": 0})
+        extractor = GridExtractor(build_trunk(one), one, torch.device("cpu"))
+        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", one, LAYOUT)
+    finally:
+        torch.set_num_threads(threads)
+
+    out = tmp_path / "dask.zarr"
+    grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
+    summary = run_distributed(grid, address=cluster.scheduler_address)
+    assert summary["images"] == 20 and summary["shards"] == 5 and summary["samples"] == 20
+    assert files_of(tmp_path / "dask.zarr") == files_of(tmp_path / "one.zarr")
+    markers = Store.open(tmp_path / "dask.zarr").markers()
+    assert all(m["files"] for m in markers)
+    again = run_distributed(grid, address=cluster.scheduler_address)  # complete: no work
+    assert again["shards"] == 0 and again["images"] == 0
+    features = Store.open(tmp_path / "dask.zarr").read(0, 20)["features"]
+    assert features.shape == (20, 3, 3, 256) and np.abs(features).sum() > 0
+
+
+def test_job_comes_from_the_dvc_stage_command(repo_root):
+    from flows.distributed import job_from_dvc
+    from flows.params import load_params
+
+    grid = job_from_dvc("grid", repo_root)
+    assert grid.out == str(repo_root / "data/features/grid.zarr")
+    assert grid.manifest == str(repo_root / "data/prepared/manifest.parquet")
+    assert grid.config == load_params(repo_root / "params.yaml").grid
+    with pytest.raises(ValueError, match="not `vse extract global"):
+        job_from_dvc("global", repo_root)
