@@ -17,7 +17,16 @@ from prefect import flow, get_run_logger, task
 
 from flows.distributed import DaskFanOut
 
-FEATURE_STAGES = ("regions", "grid", "global", "text", "scenegraph", "sbert_stats", "shards")
+FEATURE_STAGES = (
+    "regions",
+    "grid",
+    "global",
+    "text",
+    "scenegraph",
+    "sbert_stats",
+    "shards",
+    "adversarial",
+)
 
 
 def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:

@@ -30,13 +30,13 @@ def test_dag_order_puts_dependencies_first(repo_root):
 
 def test_flow_runs_stages_shares_dvc_lock_fails_loudly_and_runs_experiments(harness, project):
     from features.store import Store
-    from flows.pipeline import features_flow, pipeline_flow
+    from flows.pipeline import features_flow
 
     states = features_flow(root=str(project))
     assert set(states.values()) == {"ran"} and "shards" in states and "demo-data" in states
-    plain = run(["dvc", "repro"], project)  # same dvc.lock and cache as the flow
+    plain = run(["dvc", "repro", *states], project)  # same dvc.lock and cache as the flow
     assert "Running stage" not in plain.stdout
-    assert set(pipeline_flow(root=str(project)).values()) == {"skipped"}
+    assert set(features_flow(root=str(project)).values()) == {"skipped"}
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["global"]["projection_dim"] = 4096  # more than the 2048-d features: fails
@@ -44,11 +44,11 @@ def test_flow_runs_stages_shares_dvc_lock_fails_loudly_and_runs_experiments(harn
     with pytest.raises(
         RuntimeError, match="(?s)global failed .*global.projection_dim 4096: needs"
     ) as err:
-        pipeline_flow(root=str(project))
+        features_flow(root=str(project))
     assert "Traceback" not in str(err.value)  # the stage's own clear message
     params["global"]["projection_dim"] = 8  # fixed: only global and what follows rerun
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    states = pipeline_flow(root=str(project))
+    states = features_flow(root=str(project))
     assert states["global"] == "ran" and states["regions"] == "skipped"
 
     # overrides run as one recorded DVC experiment (experiments need a git commit)

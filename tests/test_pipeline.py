@@ -5,15 +5,37 @@ import json
 from conftest import run
 
 
-def test_repro_builds_the_manifest_then_does_nothing(project):
+def test_repro_runs_everything_once_and_team_b_gets_it_without_recomputing(
+    project, tmp_path_factory
+):
+    """The whole DAG (features, five models trained and evaluated, report), then nothing;
+    then team A pushes outputs and run cache, and team B's fresh clone pulls and runs
+    nothing (one project for both: the DAG is the suite's most expensive part)."""
     first = run(["dvc", "repro"], project)
-    assert "Running stage 'demo-data'" in first.stdout
-    assert "Running stage 'prepare'" in first.stdout
+    for stage in ("demo-data", "prepare", "adversarial", "train@univse", "report"):
+        assert f"Running stage '{stage}'" in first.stdout
     assert (project / "data/prepared/manifest.parquet").is_file()
     assert "read 20 records, kept 20" in first.stdout
+    report = (project / "reports/models.md").read_text()
+    assert all(f"| {m} |" in report for m in ("vsepp", "mvvse", "camera", "huse", "univse"))
     second = run(["dvc", "repro"], project)
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
+
+    remote = tmp_path_factory.mktemp("remote")
+    run(["dvc", "remote", "add", "-d", "team", str(remote)], project)
+    run(["dvc", "push", "--run-cache"], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=a", "-c", "user.email=a@x", "commit", "-qm", "team A"], project)
+    checkpoint = (project / "data/models/vsepp/best.pt").read_bytes()
+    for how in (["dvc", "repro", "--pull"], ["dvc", "pull"]):
+        clone = tmp_path_factory.mktemp("team_b") / "repo"
+        run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
+        result = run(how, clone)
+        assert "Running stage" not in result.stdout, result.stdout
+        assert (clone / "data/models/vsepp/best.pt").read_bytes() == checkpoint
+        status = run(["dvc", "status"], clone)
+        assert "up to date" in status.stdout, status.stdout
 
 
 def test_broken_params_fail_before_any_work(project):
@@ -38,24 +60,3 @@ def test_committed_lock_matches_the_code(project):
         if path.endswith(".py") and state == "modified"
     ]
     assert not stale, f"dvc.lock is stale for {stale}: run `dvc repro` and commit dvc.lock"
-
-
-def test_team_b_gets_the_outputs_without_recomputing(project, tmp_path_factory):
-    """Team A pushes outputs and run cache; team B's fresh clone pulls, runs nothing.
-    (The feature stages: models are shared the same way, but cost more test time.)"""
-    remote = tmp_path_factory.mktemp("remote")
-    run(["dvc", "repro", "shards"], project)
-    run(["dvc", "remote", "add", "-d", "team", str(remote)], project)
-    run(["dvc", "push", "--run-cache"], project)
-    run(["git", "add", "-A"], project)
-    run(["git", "-c", "user.name=a", "-c", "user.email=a@x", "commit", "-qm", "team A"], project)
-    manifest = (project / "data/prepared/manifest.parquet").read_bytes()
-
-    for how in (["dvc", "repro", "--pull", "shards"], ["dvc", "pull", "--with-deps", "shards"]):
-        clone = tmp_path_factory.mktemp("team_b") / "repo"
-        run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
-        result = run(how, clone)
-        assert "Running stage" not in result.stdout, result.stdout
-        assert (clone / "data/prepared/manifest.parquet").read_bytes() == manifest
-        status = run(["dvc", "status", "--with-deps", "shards"], clone)
-        assert "up to date" in status.stdout, status.stdout
