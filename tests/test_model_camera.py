@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.camera import AGSA, CAMERA, CAMERAConfig, box_code, diversity
 from models.data import DataInfo
-from tests.model_data import TinyPairs, overfit
 
 SMALL = dict(
     embed_size=32,

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.data import DataInfo
 from models.huse import HUSE, HUSEConfig, gap_loss, graph_loss
-from tests.model_data import TinyPairs, overfit
 
 SMALL = dict(hidden=64, image_layers=2, text_layers=2, dropout=0.0)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+from model_data import TinyPairs, overfit
 
 from models.common import hinge_triplet
 from models.mvvse import (
@@ -22,7 +23,6 @@ from models.mvvse import (
     positional_encoding,
     up_indicators,
 )
-from tests.model_data import TinyPairs, overfit
 
 SMALL = dict(embed_size=64, word_dim=32)
 

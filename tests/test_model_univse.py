@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.common import hinge_triplet
@@ -21,7 +22,6 @@ from models.univse import (
     region_alignment,
     relation_loss,
 )
-from tests.model_data import TinyPairs, overfit
 
 SMALL = dict(embed_size=16, d_basic=6, d_modif=5)
 

@@ -5,16 +5,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from model_data import TinyPairs
 
 from models.common import TrainConfig
 from models.train import TrainingError, epoch_batches, load_checkpoint, lr_factor, train
-
-sys.path.insert(0, str(Path(__file__).parent))
-from model_data import TinyPairs  # noqa: E402
 
 VSEPP = {"embed_size": 32, "word_dim": 16}
 CFG = TrainConfig(epochs=3, batch_size=8, lr=2e-3, lr_decay_epochs=[2], device="cpu")
