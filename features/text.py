@@ -183,6 +183,23 @@ class BertTexts:
         ]
 
 
+def load_bert_texts(cfg: TextConfig) -> tuple[BertTexts, str]:
+    """The ``text`` section's encoder, offline, and its weights digest (for fingerprints)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from features.text_models import model_digest, resolve_model
+    from features.visual import resolve_device
+
+    folder = resolve_model(cfg.model)
+    encoder = BertTexts(
+        AutoTokenizer.from_pretrained(folder, local_files_only=True),
+        AutoModel.from_pretrained(folder, local_files_only=True),
+        cfg.max_tokens,
+        resolve_device(cfg.device),
+    )
+    return encoder, model_digest(folder)
+
+
 def encode_in_length_order(
     encoder: Callable[[Sequence[str]], list[dict]],
     texts: Sequence[str],

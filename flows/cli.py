@@ -344,28 +344,18 @@ def cmd_extract_global(args: argparse.Namespace, params: Params) -> int:
 
 def cmd_extract_text(args: argparse.Namespace, params: Params) -> int:
     from features.ingest import read_manifest
-    from features.text import BertTexts, extract_text
-    from features.text_models import model_digest, resolve_model
-    from features.visual import resolve_device
+    from features.text import extract_text, load_bert_texts
 
     cfg = params.text
     manifest = read_manifest(Path(args.manifest))
-    folder = resolve_model(cfg.model)
-    from transformers import AutoModel, AutoTokenizer
-
-    device = resolve_device(cfg.device)
-    encoder = BertTexts(
-        AutoTokenizer.from_pretrained(folder, local_files_only=True),
-        AutoModel.from_pretrained(folder, local_files_only=True),
-        cfg.max_tokens,
-        device,
-    )
+    encoder, weights = load_bert_texts(cfg)
+    device = encoder.device
     start = time.perf_counter()
     vocab = extract_text(
         manifest,
         encoder,
         cfg,
-        model_digest(folder),
+        weights,
         Path(args.out),
         params.store,
         progress=lambda total: tqdm(total=total, desc="text", unit="caption", mininterval=1.0),

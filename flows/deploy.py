@@ -19,8 +19,6 @@ from prefect import flow, get_run_logger
 
 from flows.pipeline import _run, features_flow, pipeline_flow
 
-MODEL_NAMES = ("vsepp", "mvvse", "camera", "huse", "univse")
-
 
 def stage_metrics(root: str | Path, stage: str) -> list[Path]:
     """The metrics files a DVC stage writes, as ``dvc.yaml`` names them."""

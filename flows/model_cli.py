@@ -163,9 +163,7 @@ def cmd_extract_adversarial(args: argparse.Namespace, params: Params) -> int:
 
     from features.adversarial import adversarial_captions
     from features.ingest import read_manifest
-    from features.text import BertTexts, write_text_store
-    from features.text_models import model_digest, resolve_model
-    from features.visual import resolve_device
+    from features.text import load_bert_texts, write_text_store
 
     cfg = params.adversarial
     manifest = read_manifest(Path(args.manifest))
@@ -180,15 +178,7 @@ def cmd_extract_adversarial(args: argparse.Namespace, params: Params) -> int:
     pq.write_table(pa.Table.from_pylist(fakes), args.captions)
 
     text_cfg = params.text
-    folder = resolve_model(text_cfg.model)
-    from transformers import AutoModel, AutoTokenizer
-
-    encoder = BertTexts(
-        AutoTokenizer.from_pretrained(folder, local_files_only=True),
-        AutoModel.from_pretrained(folder, local_files_only=True),
-        text_cfg.max_tokens,
-        resolve_device(text_cfg.device),
-    )
+    encoder, weights = load_bert_texts(text_cfg)
     start = time.perf_counter()
     write_text_store(
         [f["key"] for f in fakes],
@@ -196,7 +186,7 @@ def cmd_extract_adversarial(args: argparse.Namespace, params: Params) -> int:
         json.loads(Path(args.vocab).read_text()),
         encoder,
         text_cfg,
-        model_digest(folder),
+        weights,
         manifest.digest,
         Path(args.out),
         params.store,

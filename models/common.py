@@ -33,6 +33,11 @@ class TrainConfig(Section):
     standardize: bool = False
 
 
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; a no-op elsewhere (full precision)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-8) -> torch.Tensor:
     """``x / ||x||_2`` along ``dim``."""
     return x / x.norm(dim=dim, keepdim=True).clamp_min(eps)

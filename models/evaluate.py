@@ -19,6 +19,7 @@ import torch
 from pydantic import PositiveInt
 
 from features.config import Section
+from models.common import autocast
 from models.data import to_device
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
 
@@ -32,15 +33,11 @@ class EvaluateConfig(Section):
     device: str = "auto"
 
 
-def _autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 @torch.no_grad()
 def _encode(encode, batches, device) -> torch.Tensor:
     out = []
     for batch in batches:
-        with _autocast(device):
+        with autocast(device):
             out.append(encode(to_device(batch, device)).float())
     return torch.cat(out)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from features.config import UserError
-from models.common import TrainConfig
+from models.common import TrainConfig, autocast
 from models.data import DataInfo, to_device
 
 CHECKPOINT_VERSION = 1
@@ -123,10 +123,6 @@ def lr_factor(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
     return factor
 
 
-def _autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def train(
     name: str,
     model_config: dict,
@@ -201,7 +197,7 @@ def train(
         for step, captions in enumerate(batches):
             batch = to_device(train_data.pair_batch(captions), device)
             batch["epoch"] = epoch
-            with _autocast(device):
+            with autocast(device):
                 parts = wrapped(batch)
             loss = parts["loss"]
             bad = torch.tensor(float(not torch.isfinite(loss.detach())), device=device)
