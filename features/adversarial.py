@@ -20,6 +20,7 @@ import hashlib
 import re
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from pydantic import Field
@@ -152,3 +153,55 @@ def adversarial_captions(
                     }
                 )
     return out
+
+
+def adversarial_stage(
+    manifest,
+    scene_graphs: Path,
+    vocab: Path,
+    cfg: AdversarialConfig,
+    encoder,
+    text_cfg,
+    weights: str,
+    captions_out: Path,
+    store_out: Path,
+    store_cfg,
+    progress=None,
+) -> dict[str, int]:
+    """Stage ``adversarial``: the fake captions of every caption of ``cfg.splits`` (a
+    parquet), made from the scene graphs and negative vocabularies of the folder
+    ``scene_graphs``, and their text features (a caption-level store encoded like the ``text``
+    stage's, with its train vocabularies). Returns the count per attack."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from features.files import atomic_path
+    from features.scenegraph_files import read_graph_rows, read_negatives
+    from features.text import write_text_store
+
+    table = manifest.table.to_pylist()
+    image_of = {f"{r['key']}#{i}": r["key"] for r in table for i in range(len(r["captions"]))}
+    split_of = {r["key"]: r["split"] for r in table}
+    graphs = read_graph_rows(scene_graphs)
+    rows = [g for g in graphs if split_of.get(image_of.get(g["key"])) in cfg.splits]
+    fakes = adversarial_captions(
+        rows, [image_of[g["key"]] for g in rows], read_negatives(scene_graphs), cfg
+    )
+    with atomic_path(captions_out) as tmp:
+        pq.write_table(pa.Table.from_pylist(fakes), tmp)
+    write_text_store(
+        [f["key"] for f in fakes],
+        [f["caption"] for f in fakes],
+        json.loads(vocab.read_text()),
+        encoder,
+        text_cfg,
+        weights,
+        manifest.digest,
+        store_out,
+        store_cfg,
+        kind="adversarial",
+        progress=progress,
+    )
+    return {a: sum(f["attack"] == a for f in fakes) for a in ATTACKS}

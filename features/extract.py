@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from features.config import ConfigError
 from features.images import BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
@@ -219,58 +218,40 @@ def _wait(write: Future | None, timing: Timing) -> None:
         timing.write += time.perf_counter() - tick
 
 
-def bad_images(store_path: Path) -> dict[str, list[str]]:
-    """Every image the store could not use: key -> [reason, detail] (from all runs)."""
-    return Store.open(store_path).notes()
-
-
-def extract_global(
-    grid_path: Path,
-    manifest: Manifest,
+def report_bad_images(
     store_path: Path,
-    projection_dim: int,
-    store_cfg: StoreConfig,
+    errors: Path,
+    metrics: Path,
+    max_error_fraction: float,
     log: Callable[[str], None] = print,
-) -> Store:
-    """Global store from a grid store's pooled conv5 features: ``features`` (N, 2048) and,
-    if ``projection_dim``, ``projected`` (N, dim) by a PCA fitted on the train split only.
-    The PCA mean and axes are kept in the store (``extra("pca_mean")``, ``"pca_axes"``)."""
-    from features.visual import fit_pca, project
+) -> dict:
+    """The errors CSV and metrics JSON of an image stage, from the notes the store's
+    shards keep (so a resumed run reports every bad image); too many fail the stage.
+    The metrics hold counts only: DVC hashes them, so nothing depends on run time."""
+    from features.files import write_json
+    from features.ingest import IngestError, Report, write_errors
 
-    grid = Store.open(grid_path, kind="grid", manifest_digest=manifest.digest)
-    pooled = grid.read(0, len(grid), ["pooled", "valid"])
-    features, valid = pooled["pooled"], pooled["valid"].astype(bool)
-    train = np.asarray(manifest.table["split"].to_pylist()) == "train"
-    fields = {
-        "features": FieldSpec((features.shape[1],), "float32"),
-        "valid": FieldSpec((), "uint8"),
+    store = Store.open(store_path)
+    n = len(store)
+    report = Report(records_read=n, records_kept=n)
+    for key, (reason, detail) in sorted(store.notes().items()):
+        report.error(key, reason, detail)
+    write_errors(report, errors)
+    counts: dict[str, int] = {}
+    for issue in report.errors:
+        counts[issue.reason] = counts.get(issue.reason, 0) + 1
+    summary = {
+        "images": n,
+        "bad_images": len(report.errors),
+        "error_fraction": round(report.error_fraction, 6),
+        "counts": counts,
     }
-    if projection_dim:
-        if projection_dim > features.shape[1] or (train & valid).sum() < 2:
-            raise ConfigError(
-                f"global.projection_dim {projection_dim}: needs at least 2 valid "
-                f"train images and at most {features.shape[1]} dimensions"
-            )
-        mean, axes = fit_pca(features[train & valid], projection_dim)
-        projected = project(features, mean, axes)
-        projected[~valid] = 0
-        fields["projected"] = FieldSpec((projection_dim,), "float32")
-    provenance = Provenance(
-        "global-pca",
-        EXTRACTOR_VERSION,
-        {"projection_dim": projection_dim},
-        grid.fingerprint,
-        manifest.digest,
-    )
-    keys = manifest.table["key"].to_pylist()
-    with StoreWriter(store_path, "global", fields, keys, provenance, store_cfg, log=log) as w:
-        if projection_dim:
-            w.write_extra("pca_mean", mean.astype(np.float32))
-            w.write_extra("pca_axes", axes.astype(np.float32))
-        for shard in w.pending_shards():
-            lo, hi = w.shard_range(shard)
-            data = {"features": features[lo:hi], "valid": pooled["valid"][lo:hi]}
-            if projection_dim:
-                data["projected"] = projected[lo:hi]
-            w.write_shard(shard, data)
-    return Store.open(store_path)
+    write_json(metrics, summary)
+    listing = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
+    log(f"extract: bad images: {listing} (report: {errors})")
+    if report.error_fraction > max_error_fraction:
+        raise IngestError(
+            f"{len(report.errors)} of {n} images ({report.error_fraction:.2%}) could not be "
+            f"used, more than max_error_fraction = {max_error_fraction:.2%}; see {errors}"
+        )
+    return summary

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from features.config import Section
+from features.config import Section, UserError
 
 MANIFEST_SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -67,7 +67,7 @@ class PrepareConfig(Section):
     max_error_fraction: float = Field(0.01, ge=0.0, le=1.0)
 
 
-class IngestError(RuntimeError):
+class IngestError(UserError):
     """A dataset could not be read, or too many of its records were bad."""
 
 
@@ -371,10 +371,10 @@ def write_manifest(
     }
     columns = {c: [getattr(r, c) for r in records] for c in MANIFEST_COLUMNS}
     table = pa.table(columns, schema=MANIFEST_SCHEMA.with_metadata({"vse": json.dumps(meta)}))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(out)
+    from features.files import atomic_path
+
+    with atomic_path(out) as tmp:
+        pq.write_table(table, tmp)
     return meta
 
 
@@ -391,6 +391,20 @@ class Manifest:
 
     def split(self, name: str) -> pa.Table:
         return self.table.filter(pc.equal(self.table["split"], name))
+
+    def caption_rows(self) -> tuple[list[str], list[str], list[str]]:
+        """Caption keys ``<image>#<i>``, texts and splits, in manifest order."""
+        keys, texts, splits = [], [], []
+        for key, captions, split in zip(
+            self.table["key"].to_pylist(),
+            self.table["captions"].to_pylist(),
+            self.table["split"].to_pylist(),
+            strict=True,
+        ):
+            keys += [f"{key}#{i}" for i in range(len(captions))]
+            texts += captions
+            splits += [split] * len(captions)
+        return keys, texts, splits
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -415,8 +429,12 @@ def read_manifest(path: Path) -> Manifest:
 
 def write_errors(report: Report, path: Path) -> None:
     """All errors and warnings as CSV rows ``key, severity, reason, detail``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", errors="backslashreplace", newline="") as f:
+    from features.files import atomic_path
+
+    with (
+        atomic_path(path) as tmp,
+        open(tmp, "w", encoding="utf-8", errors="backslashreplace", newline="") as f,
+    ):
         writer = csv.writer(f)
         writer.writerow(["key", "severity", "reason", "detail"])
         for severity, issues in (("error", report.errors), ("warning", report.warnings)):
@@ -427,3 +445,47 @@ def write_errors(report: Report, path: Path) -> None:
 def split_counts(records: list[Record]) -> dict[str, int]:
     counts = Counter(r.split for r in records)
     return {s: counts[s] for s in KARPATHY_SPLITS if s in SPLITS or counts[s]}
+
+
+# --------------------------------------------------------------------------- stage
+
+
+def prepare(
+    annotations: Path,
+    images_root: Path,
+    cfg: PrepareConfig,
+    out: Path,
+    errors: Path,
+    metrics: Path,
+    log: Callable[[str], None] = print,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> dict:
+    """Stage ``prepare``: read the raw dataset, validate every record, write the errors
+    CSV and the metrics JSON, then the manifest, unless more than ``max_error_fraction``
+    of the records have errors (an :class:`IngestError` naming the errors file)."""
+    from features.files import write_json
+
+    if not images_root.is_dir():
+        raise IngestError(f"{images_root}: images root is not a directory")
+    dataset = READERS[cfg.format](annotations, images_root, cfg)
+    records, report = validate(dataset, images_root, cfg.captions_per_image, progress=progress)
+    summary = report.summary(split_counts(records))
+    write_errors(report, errors)
+    write_json(metrics, summary)
+    counts = ", ".join(f"{k} {v}" for k, v in summary["counts"].items() if v) or "none"
+    splits = ", ".join(f"{k} {v}" for k, v in summary["splits"].items())
+    log(
+        f"prepare: {dataset.name}: read {report.records_read} records, kept "
+        f"{report.records_kept} ({splits}) with {report.captions_kept} captions\n"
+        f"prepare: problems: {counts}\n"
+        f"prepare: report: {errors} (every problem by key), {metrics} (counts)"
+    )
+    if report.error_fraction > cfg.max_error_fraction:
+        raise IngestError(
+            f"{report.records_with_errors} of {report.records_read} records "
+            f"({report.error_fraction:.2%}) have errors, more than "
+            f"prepare.max_error_fraction = {cfg.max_error_fraction:.2%}; see {errors}"
+        )
+    meta = write_manifest(records, dataset, cfg.captions_per_image, out)
+    log(f"prepare: wrote {out} (digest {meta['digest'][:12]})")
+    return summary

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field
 
 from features.config import Section
+from features.device import Device
 from features.ingest import SPLITS, Manifest
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -25,7 +26,7 @@ class SbertConfig(Section):
 
     model: str = "all-MiniLM-L6-v2"  # a name or a local folder; nothing is downloaded
     batch_size: int = Field(128, ge=1)
-    device: str = "auto"
+    device: Device = "auto"
     bins: int = Field(40, ge=2)
     examples: int = Field(10, ge=1)  # most/least consistent images listed
 
@@ -128,5 +129,43 @@ def plot_histogram(histogram: list[dict], path) -> None:
     ax.legend()
     ax.set_title("Intra-image caption similarity (MV-VSE Fig. 2)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
+
+
+def sbert_encoder(cfg: SbertConfig, progress: Callable | None = None):
+    """The ``sbert`` model (offline) as ``embed(captions) -> (N, D)`` L2-normalised."""
+    from sentence_transformers import SentenceTransformer
+
+    from features.device import resolve_device
+    from features.text_models import resolve_model
+
+    folder = resolve_model(cfg.model)
+    model = SentenceTransformer(
+        str(folder), device=str(resolve_device(cfg.device)), local_files_only=True
+    )
+
+    def embed(captions: list[str]) -> np.ndarray:
+        bar = progress(total=len(captions)) if progress else None
+        parts = []
+        for i in range(0, len(captions), cfg.batch_size):
+            batch = captions[i : i + cfg.batch_size]
+            parts.append(model.encode(batch, normalize_embeddings=True, convert_to_numpy=True))
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        return np.concatenate(parts)
+
+    return embed
+
+
+def write_statistics(result: dict, metrics, histogram, png, examples) -> None:
+    """Stage ``sbert_stats``' outputs: metrics, histogram (a DVC plot), PNG, extremes."""
+    from features.files import atomic_path, write_json
+
+    write_json(metrics, result["metrics"])
+    write_json(histogram, result["histogram"], indent=1)
+    write_json(examples, result["extremes"])
+    with atomic_path(png) as tmp:
+        plot_histogram(result["histogram"], tmp)

@@ -110,6 +110,14 @@ def build_shards(
     return sizes
 
 
+def read_scene_graphs(folder: Path) -> dict[str, dict]:
+    """Scene graphs of a scene-graph folder by caption key (without the caption text)."""
+    from features.scenegraph_files import read_graph_rows
+
+    rows = read_graph_rows(folder)
+    return {r.pop("key"): {k: v for k, v in r.items() if k != "caption"} for r in rows}
+
+
 def _read_stores(stores: Mapping[str, Store], keys: list[str]) -> dict[str, list]:
     """``{"<store>.<field>": per-sample values}`` for the given image keys."""
     out = {}

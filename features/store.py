@@ -6,7 +6,8 @@ Layout of a store (a Zarr v3 group, readable with plain ``zarr.open_group``)::
     regions.zarr/
       zarr.json          group attributes under "vse": schema version, kind, fingerprint,
                          inputs (extractor, version, params, weights and manifest digests),
-                         fields, layout, creation time; counts once complete
+                         fields, layout; counts once complete (nothing that depends on
+                         when or where it was written: same inputs, same bytes)
       keys/              (N,) str      sample keys (image keys, or caption keys `<image>#<i>`)
       <field>/           (N, ...)      a dense field, e.g. regions: features (N,R,D) f16,
                                        boxes (N,R,4) f32, n_regions (N,), image_hw (N,2)
@@ -23,13 +24,16 @@ renames it). A reader trusts only committed shards, so it never sees a half-writ
 rerun after a crash rewrites every uncommitted shard and ends bitwise identical to an
 uninterrupted run.
 
-Writers lock ``<store>/.lock`` with ``flock``. A whole-store writer (the default) holds it
-exclusively: it alone creates, resumes, starts over and finalizes the store. A store of
-dense fields only can also be filled by several processes at once (e.g. Dask workers), each
-a *shard writer* (``StoreWriter(..., shards=[...])``): distinct shards are distinct files,
-so shard writers share ``.lock`` and each holds an exclusive lock per shard
-(``.shard_locks/<k>``), commits its own shards and never finalizes; a whole-store writer
-opened afterwards finalizes the store and sweeps the lock files.
+A store is built in ``<store>.incomplete`` and moved to its own path when its last
+shard is committed, so a store at its path is always complete (and a DVC output is never
+partial: no stage needs ``persist``). Writers lock ``<store>.incomplete/.lock`` with
+``flock``. A whole-store writer (the default) holds it exclusively: it alone creates,
+resumes, starts over and finalizes the store. A store of dense fields only can also be
+filled by several processes at once (e.g. Dask workers), each a *shard writer*
+(``StoreWriter(..., shards=[...])``): distinct shards are distinct files, so shard writers
+share ``.lock`` and each holds an exclusive lock per shard (``.shard_locks/<k>``), commits
+its own shards and never finalizes; a whole-store writer opened afterwards finalizes the
+store, sweeps the lock files and moves it into place.
 """
 
 from __future__ import annotations
@@ -52,13 +56,15 @@ import zarr
 from pydantic import Field as PydanticField
 from pydantic import model_validator
 
-from features.config import Section
+from features.config import Section, UserError
+from features.files import replace_dir
 
 SCHEMA_VERSION = 1
 COMMITS = "_commits"
 LOCK = ".lock"
 SHARD_LOCKS = ".shard_locks"  # one lock file per shard held by a shard writer
 RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
+INCOMPLETE = ".incomplete"  # suffix of the folder a store is built in
 
 
 class StoreConfig(Section):
@@ -78,7 +84,7 @@ class StoreConfig(Section):
         return self
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError):
     """A store is missing, locked, incomplete, corrupt or does not match what was asked."""
 
 
@@ -163,8 +169,22 @@ def _same_file(handle, path: Path) -> bool:
 # --------------------------------------------------------------------------- writer
 
 
+def incomplete_path(path: str | Path) -> Path:
+    """Where the store ``path`` is built: ``<path>.incomplete``, moved to ``path`` once
+    every shard is committed (so a store at its own path is always complete)."""
+    path = Path(path)
+    return path.with_name(path.name + INCOMPLETE)
+
+
 class StoreWriter:
     """Create or resume a store and commit it shard by shard.
+
+    The store is built in ``<path>.incomplete`` and moved to ``path`` when its last shard
+    is committed. A run killed at any moment leaves ``path`` untouched; a rerun resumes the
+    incomplete store from its committed shards, or starts it over if it was made from
+    other inputs or is damaged (it is this writer's own folder). The outputs of a DVC
+    stage are thus never partial, so no stage needs ``persist`` (which would cost it its
+    run-cache entry).
 
     ``keys`` fixes the samples and their order up front (from the manifest). Dense shards
     can be committed in any order; a store with ragged fields commits in order, because
@@ -193,7 +213,8 @@ class StoreWriter:
         log=print,
         shards: Sequence[int] | None = None,
     ):
-        self.path = Path(path)
+        self.target = Path(path)
+        self.path = incomplete_path(self.target)  # where the store is built
         self.kind = kind
         self.fields = dict(fields)
         self.keys = list(keys)
@@ -205,6 +226,7 @@ class StoreWriter:
         self.log = log
         self._lock_file = None
         self._shard_lock_files: list = []
+        self.reused = False  # the complete store at `target` was made from the same inputs
         self.only: list[int] | None = None  # a shard writer's shards
         if shards is not None:
             self.only = sorted({int(k) for k in shards})
@@ -228,6 +250,20 @@ class StoreWriter:
         if self.only is not None:
             self._open_shards()
             return
+        if self._target_is_this_store():
+            self.reused, self.committed = True, set(range(self.n_shards))
+            self.log(f"store {self.target}: complete, made from the same inputs; kept")
+            return
+        if self.target.exists():
+            if not (self.target / "zarr.json").is_file():
+                raise StoreError(
+                    f"{self.target} exists and is not a feature store; remove it or choose "
+                    "another output path"
+                )
+            self.log(
+                f"store {self.target}: made from other inputs or with another layout; "
+                "starting it over (the old store is replaced once the new one is complete)"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire_lock()
         for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
@@ -237,13 +273,13 @@ class StoreWriter:
         existing = self._existing_attrs()
         if existing is not None and not self._same_store(existing):
             self.log(
-                f"store {self.path}: made from other inputs or with another layout "
-                f"(fingerprint {existing.get('fingerprint', '?')[:12]} != "
+                f"store {self.target}: the incomplete store was made from other inputs or "
+                f"with another layout (fingerprint {existing.get('fingerprint', '?')[:12]} != "
                 f"{self.fingerprint[:12]}); starting it over"
             )
-            self._clear()
             existing = None
         if existing is None:
+            self._clear()
             self._create()
         self.group = zarr.open_group(self.path, mode="r+")
         self.commits = self.group[COMMITS]
@@ -265,10 +301,11 @@ class StoreWriter:
         if self._lock_file is None:
             return
         if self.only is None:  # shard writers never finalize nor remove the shared lock
-            done = len(self.committed) == self.n_shards
-            if done and not self.group.attrs["vse"].get("complete"):
-                self._finalize()
             (self.path / LOCK).unlink(missing_ok=True)
+            if len(self.committed) == self.n_shards:
+                if not self.group.attrs["vse"].get("complete"):
+                    self._finalize()
+                replace_dir(self.path, self.target)  # still holding the lock's descriptor
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
         self._lock_file = None
@@ -372,20 +409,16 @@ class StoreWriter:
         return [*files, _chunk_key(COMMITS, shard, 1)]
 
     def _existing_attrs(self) -> dict | None:
-        if not (self.path / "zarr.json").exists():
-            if any(p.name != LOCK for p in self.path.iterdir()):
-                raise StoreError(
-                    f"{self.path} exists and is not a feature store; remove it or choose "
-                    "another output path"
-                )
-            return None
+        """The attributes of the incomplete store, or None if there is none, it was cut
+        short while being created, or it is damaged: this folder is the writer's own, so
+        it is then started over."""
         try:
-            return dict(zarr.open_group(self.path, mode="r").attrs["vse"])
-        except (KeyError, ValueError, OSError) as err:
-            raise StoreError(
-                f"{self.path} holds a Zarr group that is not a vse feature store ({err}); "
-                "remove it or choose another output path"
-            ) from err
+            group = zarr.open_group(self.path, mode="r")
+            attrs = dict(group.attrs["vse"])
+            group[COMMITS][:]  # created last: present once creation finished
+        except Exception:  # noqa: BLE001 - any damage means: start over
+            return None
+        return attrs
 
     def _same_store(self, attrs: dict) -> bool:
         return (
@@ -395,6 +428,14 @@ class StoreWriter:
             and attrs.get("n") == self.n
         )
 
+    def _target_is_this_store(self) -> bool:
+        """Whether ``target`` holds a complete store made from the same inputs."""
+        try:
+            attrs = dict(zarr.open_group(self.target, mode="r").attrs["vse"])
+        except Exception:  # noqa: BLE001 - absent or not a store: it is (re)built
+            return False
+        return bool(attrs.get("complete")) and self._same_store(attrs)
+
     def _clear(self) -> None:
         for child in self.path.iterdir():
             if child.name == LOCK:
@@ -402,6 +443,8 @@ class StoreWriter:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
     def _create(self) -> None:
+        """The empty store: attributes, keys and field arrays, then the commit markers'
+        array, last, so that a store cut short while being created has none."""
         cfg = self.cfg
         group = zarr.create_group(self.path)  # mode "w" would delete the lock file
         group.attrs["vse"] = {
@@ -413,13 +456,11 @@ class StoreWriter:
             "layout": cfg.model_dump(),
             "n": self.n,
             "n_shards": self.n_shards,
-            "created": _now(),
             "complete": False,
         }
         keys = group.create_array("keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str)
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
-        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
         chunk = cfg.samples_per_chunk
         for name, spec in self.fields.items():
             if spec.ragged:
@@ -445,6 +486,7 @@ class StoreWriter:
                 fill_value=0,
                 **_codecs(cfg),
             )
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
@@ -581,7 +623,9 @@ class StoreWriter:
 
     def write_extra(self, name: str, array: np.ndarray) -> None:
         """A store-level array that is not per sample (e.g. a fitted projection), one file,
-        checksummed like the shards."""
+        checksummed like the shards. Nothing to do when the complete store is reused."""
+        if self.reused:
+            return
         array = np.asarray(array)
         extra = self.group.create_array(
             name, shape=array.shape, dtype=array.dtype, chunks=array.shape or (1,), overwrite=True
@@ -876,17 +920,17 @@ class Store:
             "fields": {k: asdict(v) for k, v in self.fields.items()},
             "layout": self.attrs["layout"],
             "inputs": self.attrs["inputs"],
-            "created": self.attrs["created"],
             "counts": self.attrs.get("counts"),
         }
 
 
 def find_stores(root: str | Path) -> Iterator[Path]:
-    """Stores under a local folder (any ``*.zarr`` group with 'vse' attributes)."""
+    """Stores under a local folder (any ``*.zarr`` group with 'vse' attributes), and the
+    incomplete ones being built (``*.zarr.incomplete``)."""
     root = Path(root)
     for path in sorted(root.rglob("zarr.json")):
         store_dir = path.parent
-        if store_dir.name.endswith(".zarr"):
+        if store_dir.name.endswith((".zarr", ".zarr" + INCOMPLETE)):
             try:
                 attrs = json.loads(path.read_text()).get("attributes", {})
             except (OSError, json.JSONDecodeError):

@@ -34,6 +34,7 @@ import numpy as np
 from pydantic import Field
 
 from features.config import Section
+from features.device import Device
 from features.store import FieldSpec
 
 WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
@@ -48,7 +49,7 @@ class TextConfig(Section):
     model: str = "bert-base-uncased"  # a name or local folder; nothing is downloaded
     max_tokens: int = Field(512, ge=8)
     batch_size: int = Field(64, ge=1)
-    device: str = "auto"
+    device: Device = "auto"
     word_min_count: int = Field(4, ge=1)  # words seen fewer times in train are <unk>
     tfidf_max_terms: int = Field(10000, ge=1)
 
@@ -187,8 +188,8 @@ def load_bert_texts(cfg: TextConfig) -> tuple[BertTexts, str]:
     """The ``text`` section's encoder, offline, and its weights digest (for fingerprints)."""
     from transformers import AutoModel, AutoTokenizer
 
+    from features.device import resolve_device
     from features.text_models import model_digest, resolve_model
-    from features.visual import resolve_device
 
     folder = resolve_model(cfg.model)
     encoder = BertTexts(
@@ -222,29 +223,22 @@ def encode_in_length_order(
     return results  # type: ignore[return-value]
 
 
-def caption_rows(manifest) -> tuple[list[str], list[str], list[str]]:
-    """Caption keys ``<image>#<i>``, texts and splits, in manifest order."""
-    keys, texts, splits = [], [], []
-    for row in manifest.table.to_pylist():
-        for i, caption in enumerate(row["captions"]):
-            keys.append(f"{row['key']}#{i}")
-            texts.append(caption)
-            splits.append(row["split"])
-    return keys, texts, splits
-
-
 def extract_text(
     manifest,
     encoder: BertTexts,
     cfg: TextConfig,
     weights: str,
     store_path,
+    vocab_path,
     store_cfg,
     log: Callable[[str], None] = print,
     progress: Callable | None = None,
 ) -> dict:
-    """Fill the caption-level text store (resumable) and return the fitted vocabularies."""
-    keys, texts, splits = caption_rows(manifest)
+    """Stage ``text``: fit the vocabularies on train, write them to ``vocab_path`` and fill
+    the caption-level text store (resumable); returns the vocabularies."""
+    from features.files import write_json
+
+    keys, texts, splits = manifest.caption_rows()
     train = [t for t, s in zip(texts, splits, strict=True) if s == "train"]
     vocab = build_vocab(train, cfg.word_min_count)
     terms, idf = fit_tfidf(train, cfg.tfidf_max_terms)
@@ -263,6 +257,7 @@ def extract_text(
         log=log,
         progress=progress,
     )
+    write_json(vocab_path, vocab, indent=None)
     return vocab
 
 

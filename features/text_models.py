@@ -13,12 +13,14 @@ import hashlib
 import os
 from pathlib import Path
 
+from features.config import UserError
+
 PAPER_BERT = "bert-base-uncased"
 MINILM = "all-MiniLM-L6-v2"
 MINILM_ALIASES = {MINILM, f"sentence-transformers/{MINILM}", "minilm"}
 
 
-class TextModelError(RuntimeError):
+class TextModelError(UserError):
     """A text model could not be found locally."""
 
 

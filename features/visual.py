@@ -396,22 +396,3 @@ class GridExtractor:
 
     def provenance_params(self) -> dict:
         return feature_params(self.cfg)
-
-
-# --------------------------------------------------------------------------- global
-
-
-def fit_pca(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean (D,) and top-``dim`` principal axes (dim, D) of the rows of ``x``, with signs
-    fixed (largest-magnitude loading positive) so that refits give the same projection."""
-    x = np.asarray(x, dtype=np.float64)
-    mean = x.mean(axis=0)
-    cov = np.cov(x - mean, rowvar=False) if len(x) > 1 else np.zeros((x.shape[1],) * 2)
-    values, vectors = np.linalg.eigh(cov)
-    axes = vectors[:, np.argsort(values)[::-1][:dim]].T
-    signs = np.sign(axes[np.arange(len(axes)), np.abs(axes).argmax(axis=1)])
-    return mean, axes * np.where(signs == 0, 1, signs)[:, None]
-
-
-def project(x: np.ndarray, mean: np.ndarray, axes: np.ndarray) -> np.ndarray:
-    return ((np.asarray(x, dtype=np.float64) - mean) @ axes.T).astype(np.float32)

@@ -1,5 +1,5 @@
-"""Configs of the image extraction stages (``regions``, ``grid``, ``global`` in
-params.yaml), apart from :mod:`features.visual` so that reading params imports no torch."""
+"""Configs of the image extraction stages (``regions``, ``grid`` in params.yaml), apart
+from :mod:`features.visual` so that reading params imports no torch."""
 
 from __future__ import annotations
 
@@ -57,9 +57,3 @@ class GridConfig(ExtractConfig):
     # ResNet stages kept: 4 = conv5 (2048-d, the papers'); 1..3 give 256/512/1024-d maps.
     # Random-init demo weights keep colour only in early stages.
     stages: int = Field(4, ge=1, le=4)
-
-
-class GlobalConfig(Section):
-    """``global`` section: the pooled feature and its PCA projection, fitted on train."""
-
-    projection_dim: int = Field(64, ge=0)  # 0: no projection

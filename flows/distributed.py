@@ -7,7 +7,7 @@ Prefect's Dask task runner (prefect-dask). Dask schedules; nothing here does.
     plan      create or resume the store  -> build the extractor (once per worker process)
     fan out   pending shards, in groups   -> extract_images(..., shards=group): a shard
                                              writer commits exactly its own shards
-    finalize  every shard committed       -> the store is complete
+    finalize  every shard committed       -> the store is complete and moved into place
 
 A shard's content depends only on its images, so the store ends bitwise identical to a
 single-process run, given (1) batches that start at shard boundaries in both
@@ -19,44 +19,30 @@ must see the coordinator's paths (one machine, or a shared file system). Heavy m
 built in the workers from the stage's params, never pickled; Dask's worker processes are
 daemonic and cannot start DataLoader workers, so there images are decoded in the task.
 
-Used two ways:
-
-- ``features`` flow (:mod:`flows.pipeline`) with ``dask_workers=N`` or ``dask_address``:
-  before DVC runs ``regions`` / ``grid``, :class:`DaskFanOut` fills the stage's store,
-  then ``dvc repro --single-item <stage>`` finds every shard committed, only writes its
-  reports, and records the outputs in ``dvc.lock`` (DVC stays the source of truth);
-- alone: ``python -m flows.distributed grid --workers 2`` fills the store of a dvc.yaml
-  stage (paths and params from its ``cmd``), then ``dvc repro grid`` records it.
+The image stages run it themselves (``vse extract regions|grid --dask-workers N`` or
+``--dask-address``, or the ``VSE_DASK_*`` environment variables that the ``features``
+flow sets), so the stage's own arguments say where its inputs and outputs are.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import multiprocessing
-import os
-import shlex
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict
 
 from features.store import Store, StoreConfig, StoreError
 from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
 
-DISTRIBUTED_STAGES = ("regions", "grid")  # image stores: dense fields only
-CONFIGS: dict[str, type[ExtractConfig]] = {"regions": RegionsConfig, "grid": GridConfig}
-
 
 class ExtractJob(BaseModel):
-    """One image stage's extraction as plain data (it travels to every worker): absolute
-    paths, the stage's validated params section and the store layout."""
+    """One image stage's extraction as data that travels to every worker: absolute paths,
+    the stage's typed params section and the store layout."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,17 +50,8 @@ class ExtractJob(BaseModel):
     manifest: str
     images: str
     out: str
-    cfg: dict[str, Any]  # the stage's params.yaml section, defaults filled in
+    config: RegionsConfig | GridConfig
     store: StoreConfig = StoreConfig()
-
-    @model_validator(mode="after")
-    def _validate_cfg(self) -> ExtractJob:
-        CONFIGS[self.stage].model_validate(self.cfg)
-        return self
-
-    @property
-    def config(self) -> ExtractConfig:
-        return CONFIGS[self.stage].model_validate(self.cfg)
 
     @classmethod
     def make(cls, stage, manifest, images, out, cfg: ExtractConfig, store: StoreConfig):
@@ -83,44 +60,9 @@ class ExtractJob(BaseModel):
             manifest=str(Path(manifest).resolve()),
             images=str(Path(images).resolve()),
             out=str(Path(out).resolve()),
-            cfg=cfg.model_dump(mode="json"),
+            config=cfg,
             store=store,
         )
-
-
-def job_from_dvc(stage: str, root: str | Path = ".") -> ExtractJob:
-    """The job of a dvc.yaml image stage: its ``vse extract`` command parsed by the ``vse``
-    parser itself (so paths mean what they mean to the stage), params from its params file.
-    """
-    from dvc.repo import Repo
-
-    from flows.cli import build_parser, cmd_extract_images
-    from flows.params import load_params
-
-    with Repo(str(root)) as repo:
-        stages = {getattr(s, "name", None): s for s in repo.index.stages}
-    if stage not in stages:
-        raise ValueError(f"{root}: dvc.yaml has no stage {stage!r}")
-    cmd, wdir = stages[stage].cmd, Path(stages[stage].wdir)
-    argv = shlex.split(cmd) if isinstance(cmd, str) else []
-    try:
-        args = build_parser().parse_args(argv[1:]) if argv[:1] == ["vse"] else None
-    except SystemExit:
-        args = None
-    if args is None or args.func is not cmd_extract_images or args.command_name != stage:
-        raise ValueError(
-            f"DVC stage {stage!r} runs {cmd!r}, not `vse extract {stage} ...`; only image "
-            f"stages {DISTRIBUTED_STAGES} with their `vse extract` command can fan out"
-        )
-    params = load_params(wdir / args.params)
-    return ExtractJob.make(
-        stage,
-        wdir / args.manifest,
-        wdir / args.images,
-        wdir / args.out,
-        getattr(params, stage),
-        params.store,
-    )
 
 
 # --------------------------------------------------------------------------- worker side
@@ -131,7 +73,7 @@ _EXTRACTORS: dict[str, Any] = {}  # per worker process: the last extractor built
 def worker_extractor(job: ExtractJob):
     """The job's extractor, built in this (worker) process on first use and kept, so the
     tasks of a job that land on the same worker share one model."""
-    key = json.dumps([job.stage, job.cfg], sort_keys=True)
+    key = job.config.model_dump_json() + job.stage
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
         from features.extract import build_image_extractor
@@ -321,7 +263,7 @@ def _shared_prefect_api():
 
 
 def run_distributed(
-    job: ExtractJob, workers: int = 2, address: str | None = None, shards_per_task: int = 1
+    job: ExtractJob, workers: int = 0, address: str | None = None, shards_per_task: int = 1
 ) -> dict:
     """Run :func:`extract_distributed` on a Dask cluster (see :func:`dask_task_runner`)."""
     runner = dask_task_runner(workers, address)
@@ -329,104 +271,3 @@ def run_distributed(
         return extract_distributed.with_options(task_runner=runner)(
             job=job, shards_per_task=shards_per_task
         )
-
-
-def stage_up_to_date(stage: str, root: str | Path) -> bool:
-    """Whether DVC would skip the stage (deps, params and outs match dvc.lock)."""
-    result = subprocess.run(
-        ["dvc", "status", "--json", stage], cwd=root, capture_output=True, text=True
-    )
-    if result.returncode:
-        raise RuntimeError(
-            f"dvc status {stage} failed (exit {result.returncode}) in {root}: "
-            f"{result.stderr.strip()[-2000:]}"
-        )
-    return not json.loads(result.stdout or "{}")
-
-
-class DaskFanOut:
-    """The ``features`` flow's hook before each DVC stage: fills an image stage's store
-    over one Dask cluster (at ``address``, or a LocalCluster of ``workers`` processes,
-    started on first use and shared by the stages), unless DVC would skip the stage."""
-
-    def __init__(
-        self,
-        root: str | Path = ".",
-        workers: int = 0,
-        address: str | None = None,
-        shards_per_task: int = 1,
-    ):
-        if workers < 0:
-            raise ValueError(f"dask_workers must be >= 0, got {workers}")
-        if workers and address:
-            raise ValueError(
-                "give dask_workers (start a local Dask cluster) or dask_address (use a "
-                "running one), not both"
-            )
-        self.root, self.workers, self.address = root, workers, address
-        self.shards_per_task = shards_per_task
-        self._cluster = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.workers or self.address)
-
-    def __enter__(self) -> DaskFanOut:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._cluster is not None:
-            self._cluster.close()
-            self._cluster = None
-
-    def _scheduler(self) -> str:
-        if self.address:
-            return self.address
-        if self._cluster is None:
-            from distributed import LocalCluster
-
-            self._cluster = LocalCluster(
-                n_workers=self.workers, threads_per_worker=1, processes=True
-            )
-        return self._cluster.scheduler_address
-
-    def __call__(self, stage: str) -> dict | None:
-        """Pre-fill ``stage``'s store; None when it is not an image stage or is up to date."""
-        if not self.enabled or stage not in DISTRIBUTED_STAGES:
-            return None
-        if stage_up_to_date(stage, self.root):
-            get_run_logger().info("%s: up to date in dvc.lock; no Dask fan-out", stage)
-            return None
-        job = job_from_dvc(stage, self.root)
-        return run_distributed(job, address=self._scheduler(), shards_per_task=self.shards_per_task)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flows.distributed STAGE``: fill a dvc.yaml image stage's store."""
-    parser = argparse.ArgumentParser(
-        prog="python -m flows.distributed",
-        description="Fill the store of a DVC image stage (regions, grid) over a Dask cluster "
-        "through Prefect's Dask task runner; then `dvc repro STAGE` records it.",
-    )
-    parser.add_argument("stage", choices=DISTRIBUTED_STAGES)
-    parser.add_argument("--root", default=".", help="DVC repository (default: %(default)s)")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--workers", type=int, default=2, help="local cluster processes")
-    where.add_argument("--address", help="scheduler of a running cluster, e.g. tcp://h:8786")
-    parser.add_argument("--shards-per-task", type=int, default=1, help="shards per task")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    summary = run_distributed(
-        job_from_dvc(args.stage, args.root), args.workers, args.address, args.shards_per_task
-    )
-    print(json.dumps(summary, indent=2))
-    print(f"now record it: dvc repro {args.stage}")
-    return 0
-
-
-if __name__ == "__main__":
-    # run this module's functions from its imported copy, not from __main__, so that Dask
-    # pickles the tasks by reference and workers keep their models between tasks
-    from flows.distributed import main as _main
-
-    sys.exit(_main())

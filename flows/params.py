@@ -1,54 +1,85 @@
 """``params.yaml``: the project's only config file, validated as a whole before any work.
 
-Each stage owns its section's typed model (next to the code that uses it); this module
-composes them. Unknown keys and wrong types fail with the full key path, e.g.
-``params.yaml: prepare.max_eror_fraction: unknown key, did you mean max_error_fraction``.
+Each stage owns its section's typed model, next to the code that uses it; :data:`SECTIONS`
+names them by import path and :func:`params_model` composes them into one model. Unknown
+keys and wrong types fail with the full key path, e.g. ``params.yaml: prepare.
+max_eror_fraction: unknown key, did you mean max_error_fraction``.
+
+Sections are named by import path rather than imported here: a stage's code deps in
+``dvc.yaml`` are the modules its command imports, and validating the sections a stage does
+not read can stop it but never change its outputs, so the modules of those sections are
+not its deps (``tests/test_dag.py`` adds the modules of the sections a stage reads).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from pathlib import Path
+from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model
 
-from features.adversarial import AdversarialConfig
 from features.config import ConfigError, Section, format_errors
-from features.demo import DemoConfig
-from features.demo_parser import ParserConfig
-from features.ingest import PrepareConfig
-from features.sbert_stats import SbertConfig
-from features.scenegraph import ScenegraphConfig
-from features.shards import ShardsConfig
-from features.store import StoreConfig
-from features.text import TextConfig
-from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
-from models import ModelsConfig
-from models.common import TrainConfig
-from models.evaluate import EvaluateConfig
+
+# section -> "module:Class", in the order `vse params` prints them
+SECTIONS = {
+    "demo": "features.demo:DemoConfig",
+    "prepare": "features.ingest:PrepareConfig",
+    "store": "features.store:StoreConfig",
+    "shards": "features.shards:ShardsConfig",
+    "regions": "features.visual_config:RegionsConfig",
+    "grid": "features.visual_config:GridConfig",
+    "global": "features.global_features:GlobalConfig",
+    "sbert": "features.sbert_stats:SbertConfig",
+    "text": "features.text:TextConfig",
+    "parser": "features.demo_parser:ParserConfig",
+    "scenegraph": "features.scenegraph:ScenegraphConfig",
+    "adversarial": "features.adversarial:AdversarialConfig",
+    "train": "models.common:TrainConfig",
+    "models": "models.registry",  # a section per model: models.<name> (see params_model)
+    "evaluate": "models.evaluate:EvaluateConfig",
+}
 
 
-class Params(Section):
-    """All sections of params.yaml; a missing section takes its defaults."""
-
-    demo: DemoConfig = DemoConfig()
-    prepare: PrepareConfig = PrepareConfig()
-    store: StoreConfig = StoreConfig()
-    shards: ShardsConfig = ShardsConfig()
-    regions: RegionsConfig = RegionsConfig()
-    grid: GridConfig = GridConfig()
-    global_: GlobalConfig = Field(GlobalConfig(), alias="global")
-    sbert: SbertConfig = SbertConfig()
-    text: TextConfig = TextConfig()
-    parser: ParserConfig = ParserConfig()
-    scenegraph: ScenegraphConfig = ScenegraphConfig()
-    adversarial: AdversarialConfig = AdversarialConfig()
-    train: TrainConfig = TrainConfig()
-    models: ModelsConfig = ModelsConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
+def section_class(name: str) -> type[Section]:
+    """The typed model of section ``name``; ``models`` holds one section per model."""
+    if name == "models":
+        registry = importlib.import_module(SECTIONS["models"])
+        model_class = registry.model_class
+        fields = {
+            m: (model_class(m).Config, Field(default_factory=model_class(m).Config))
+            for m in registry.MODEL_NAMES
+        }
+        return create_model("ModelsConfig", __base__=Section, **fields)
+    module, _, cls = SECTIONS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
+def section_module(key: str) -> str:
+    """The module that defines the section of params key ``key``: ``text`` ->
+    ``features.text``, ``models.vsepp`` -> ``models.vsepp`` (each model's own file)."""
+    name, _, sub = key.partition(".")
+    if name == "models":
+        registry = importlib.import_module(SECTIONS["models"])
+        return registry.model_module(sub) if sub else SECTIONS["models"]
+    return SECTIONS[name].partition(":")[0]
+
+
+@functools.cache
+def params_model() -> type[Section]:
+    """All sections of params.yaml as one model; a missing section takes its defaults.
+    Attribute names are the section names (``global`` is ``global_``)."""
+    fields: dict[str, Any] = {}
+    for name in SECTIONS:
+        cls = section_class(name)
+        attr = f"{name}_" if name == "global" else name
+        fields[attr] = (cls, Field(default_factory=cls, alias=name))
+    return create_model("Params", __base__=Section, **fields)
+
+
+def load_params(path: str | Path = "params.yaml"):
     """Read and validate ``path``; every problem is reported at once, by key path."""
     path = Path(path)
     try:
@@ -65,7 +96,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    model = params_model()
     try:
-        return Params.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_errors(err, Params, str(path))) from None
+        raise ConfigError(format_errors(err, model, str(path))) from None

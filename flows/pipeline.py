@@ -9,24 +9,13 @@ and, later, deployments. Parameter overrides run as one DVC experiment
 
 from __future__ import annotations
 
+import os
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from flows.distributed import DaskFanOut
-
-FEATURE_STAGES = (
-    "regions",
-    "grid",
-    "global",
-    "text",
-    "scenegraph",
-    "sbert_stats",
-    "shards",
-    "adversarial",
-)
+FEATURE_STAGES = ("regions", "grid", "global", "text", "scenegraph", "sbert_stats", "adversarial")
 
 
 def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:
@@ -49,10 +38,12 @@ def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:
     return [s for s in order if s in wanted]
 
 
-def _dvc(args: list[str], root: str | Path, what: str) -> str:
+def _dvc(args: list[str], root: str | Path, what: str, env: dict | None = None) -> str:
     """Run a dvc command, log its output, fail with its error (never swallowed)."""
     logger = get_run_logger()
-    result = subprocess.run(["dvc", *args], cwd=root, capture_output=True, text=True)
+    result = subprocess.run(
+        ["dvc", *args], cwd=root, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     for line in (result.stdout + result.stderr).splitlines():
         if line.strip() and "it/s]" not in line and "/s]" not in line:
             logger.info("%s | %s", what, line)
@@ -65,17 +56,18 @@ def _dvc(args: list[str], root: str | Path, what: str) -> str:
 
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
-def run_stage(stage: str, root: str) -> str:
-    """One DVC stage; DVC skips it when its deps, params and outs are unchanged."""
-    out = _dvc(["repro", "--single-item", stage], root, stage)
+def run_stage(stage: str, root: str, env: dict | None = None) -> str:
+    """One DVC stage; DVC skips it when its deps, params and outs are unchanged. ``env``
+    adds environment variables for the stage's command (e.g. its Dask cluster)."""
+    out = _dvc(["repro", "--single-item", stage], root, stage, env)
     return "skipped" if "didn't change, skipping" in out else "ran"
 
 
 @task(task_run_name="experiment")
-def run_experiment(targets: list[str], overrides: dict, root: str) -> str:
+def run_experiment(targets: list[str], overrides: dict, root: str, env: dict | None = None) -> str:
     """All ``targets`` as one DVC experiment with params overridden (``-S key=value``)."""
     sets = [arg for key, value in overrides.items() for arg in ("-S", f"{key}={value}")]
-    return _dvc(["exp", "run", *sets, *targets], root, "experiment")
+    return _dvc(["exp", "run", *sets, *targets], root, "experiment", env)
 
 
 def _run(
@@ -85,21 +77,19 @@ def _run(
     pull: bool,
     push: bool,
     remote: str | None,
-    before_stage: Callable[[str], object] | None = None,
+    env: dict | None = None,
 ) -> dict[str, str]:
     remote_args = ["-r", remote] if remote else []
     if pull:
         _dvc(["pull", *remote_args, "--allow-missing"], root, "pull")
     stages = dag_order(root, targets)
     if overrides:
-        run_experiment(stages if targets else [], overrides, root)
+        run_experiment(stages if targets else [], overrides, root, env)
         states = {s: "experiment" for s in stages}
     else:
         states = {}
         for stage in stages:  # in DAG order: each waits for the one before
-            if before_stage is not None:
-                before_stage(stage)
-            states[stage] = run_stage(stage, root)
+            states[stage] = run_stage(stage, root, env)
     if push:
         _dvc(["push", "--run-cache", *remote_args], root, "push")
     get_run_logger().info("stages: %s", states)
@@ -116,23 +106,20 @@ def features_flow(
     dask_workers: int = 0,
     dask_address: str | None = None,
 ) -> dict[str, str]:
-    """Every feature stage and what it needs (manifest, stores, shards).
+    """Every feature stage and what it needs (manifest, stores).
 
     With ``dask_workers`` (a local Dask cluster of that many processes) or ``dask_address``
-    (a running cluster's scheduler), the stores of the image stages (regions, grid) are
-    first filled shard by shard over the cluster (:mod:`flows.distributed`); DVC then runs
-    the stages as usual, finds every shard committed, and records them in dvc.lock.
+    (a running cluster's scheduler), the image stages (regions, grid) extract their stores
+    shard by shard over the cluster (:mod:`flows.distributed`), into the same stores.
     """
     present = set(dag_order(root))
     targets = [s for s in FEATURE_STAGES if s in present]
-    with DaskFanOut(root, dask_workers, dask_address) as fan_out:
-        if fan_out.enabled and overrides:
-            raise ValueError(
-                "a Dask fan-out fills stores from params.yaml, but overrides run as a DVC "
-                "experiment; drop dask_workers/dask_address or the overrides"
-            )
-        hook = fan_out if fan_out.enabled else None
-        return _run(targets, root, overrides, pull, push, remote, before_stage=hook)
+    env = {}
+    if dask_workers:
+        env["VSE_DASK_WORKERS"] = str(dask_workers)
+    if dask_address:
+        env["VSE_DASK_ADDRESS"] = dask_address
+    return _run(targets, root, overrides, pull, push, remote, env)
 
 
 @flow(name="pipeline")

@@ -10,6 +10,7 @@ from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import nn
 
 from features.config import Section
+from features.device import Device
 
 
 class TrainConfig(Section):
@@ -26,7 +27,7 @@ class TrainConfig(Section):
     grad_clip: PositiveFloat = 2.0  # max global L2 norm of the gradients
     num_workers: int = 0
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: Device = "auto"  # auto | cpu | cuda | cuda:N
     eval_batch_size: PositiveInt = 256
     # image inputs as (x - mean) / std with train statistics (kept in the checkpoint);
     # for features dominated by one shared mean, such as random-init CNN features

@@ -81,8 +81,7 @@ class FeaturePaths:
     grid: Path | None = None
     text: Path | None = None
     vocab: Path | None = None
-    scenegraphs: Path | None = None
-    negatives: Path | None = None
+    scenegraphs: Path | None = None  # folder: graphs.parquet and negatives.json
 
 
 class DataError(UserError):
@@ -246,12 +245,11 @@ class PairData:
                 info["class_distances"] = np.round(1.0 - emb @ emb.T, 6).tolist()
         self.graphs: list[dict] | None = None
         if "scene_graph" in inputs:
-            self.graphs = _read_graphs(
-                _need(paths.scenegraphs, "--scenegraphs", "the scene graphs"), self.caption_keys
-            )
-            negatives = json.loads(
-                _need(paths.negatives, "--negatives", "the negative vocabularies").read_text()
-            )
+            from features.scenegraph_files import read_graphs, read_negatives
+
+            folder = _need(paths.scenegraphs, "--scenegraphs", "the scene graphs")
+            self.graphs = read_graphs(folder, self.caption_keys)
+            negatives = read_negatives(folder)
             info["negatives"] = {
                 kind: [phrase_ids(p, self.word_index) for p in phrases]
                 for kind, phrases in negatives.items()
@@ -401,20 +399,6 @@ class PairData:
             **self.text_batch(captions),
             "caption_image": torch.from_numpy(self.caption_image[captions]),
         }
-
-
-def _read_graphs(path: Path, keys: list[str]) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path, columns=["key", "objects", "attributes", "relations"])
-    by_key = {row["key"]: row for row in table.to_pylist()}
-    missing = [k for k in keys if k not in by_key]
-    if missing:
-        raise DataError(
-            f"{path}: no scene graph for {len(missing)} captions (first: {missing[0]}); "
-            "rerun `dvc repro scenegraph`"
-        )
-    return [by_key[k] for k in keys]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from pydantic import PositiveInt
 
 from features.config import Section
+from features.device import Device
 from models.common import autocast
 from models.data import to_device
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
@@ -30,7 +32,7 @@ class EvaluateConfig(Section):
     split: Literal["val", "test"] = "test"
     fold_size: PositiveInt = 1000  # COCO 1K: folds of this many images (when >= 2 fit)
     batch_size: PositiveInt = 256
-    device: str = "auto"
+    device: Device = "auto"
 
 
 @torch.no_grad()
@@ -143,4 +145,34 @@ def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -
         report["adversarial"] = adversarial_metrics(
             model, img, txt, data, adversarial, cfg.batch_size, device
         )
+    return report
+
+
+def evaluate_stage(
+    name: str,
+    checkpoint: Path,
+    paths,
+    cfg: EvaluateConfig,
+    out: Path,
+    adversarial_store: Path | None = None,
+    adversarial_captions: Path | None = None,
+) -> dict:
+    """Stage ``evaluate@<name>``: the checkpoint's model on ``cfg.split`` (standardised with
+    the train statistics it was trained with), written as the metrics JSON ``out``."""
+    from features.device import resolve_device
+    from features.files import write_json
+    from models.data import PairData
+    from models.registry import model_inputs
+    from models.train import load_checkpoint
+
+    device = resolve_device(cfg.device)
+    model, info = load_checkpoint(checkpoint, device)
+    data = PairData(paths, cfg.split, model_inputs(name, model.cfg))
+    if info.feature_stats:
+        data.standardize(info.feature_stats)
+    adversarial = None
+    if adversarial_captions:
+        adversarial = data.with_adversarial(adversarial_store, adversarial_captions)
+    report = {"model": name, **evaluate_model(model, data, cfg, device, adversarial)}
+    write_json(out, report)
     return report

@@ -4,6 +4,7 @@ papers report (their datasets, not ours: for orientation only) and a bar plot of
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 # (dataset and protocol, i2t R@1/5/10, t2i R@1/5/10) as printed in the papers
@@ -116,6 +117,30 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
     axes[1].set_title("with adversarial captions")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
+
+
+def write_report(results: list[Path], out: Path, plot: Path) -> str:
+    """Stage ``report``: the markdown comparison of every model's evaluation and the bar
+    plot; returns the table."""
+    import json
+
+    from features.config import UserError
+    from features.files import atomic_path, write_text
+
+    by_model = {}
+    for path in results:
+        if not path.exists():
+            raise UserError(f"{path}: no evaluation results; run `vse evaluate` first")
+        result = json.loads(path.read_text())
+        by_model[result["model"]] = result
+    splits = {r["split"] for r in by_model.values()}
+    if len(splits) > 1:
+        raise UserError(f"results come from different splits ({sorted(splits)}): not comparable")
+    table = markdown_table(by_model)
+    image = os.path.relpath(plot, out.parent)  # the link works beside the markdown
+    write_text(out, "# Model comparison\n\n" + table + f"\n![rsum per model]({image})\n")
+    with atomic_path(plot) as tmp:
+        plot_rsum(by_model, tmp)
+    return table

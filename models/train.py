@@ -12,7 +12,6 @@ Checkpoints are plain data: ``{model, config, info, state_dict, ...}`` loaded wi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -23,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from features.config import UserError
+from features.config import Section, UserError
+from features.device import resolve_device
 from models.common import TrainConfig, autocast
 from models.data import DataInfo, to_device
 
@@ -34,24 +34,18 @@ class TrainingError(UserError):
     """Training cannot go on; the message says why and what was kept."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"train.device is {name!r} but CUDA is not available; use auto or cpu")
-    return device
-
-
-def build_model(name: str, config: dict, info: DataInfo | dict) -> nn.Module:
-    """A registered model from plain data (its ``models.<name>`` section and DataInfo)."""
-    from models import MODELS
+def build_model(name: str, cfg: Section, info: DataInfo | dict) -> nn.Module:
+    """Registered model ``name`` from its validated config (``models.<name>``) and the
+    sizes of its inputs."""
+    from models.registry import MODELS, model_class
 
     if name not in MODELS:
-        raise TrainingError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    cls = MODELS[name]
+        raise TrainingError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    cls = model_class(name)
+    if not isinstance(cfg, cls.Config):
+        raise TypeError(f"{name} is built from a {cls.Config.__name__}, got {type(cfg).__name__}")
     info = info if isinstance(info, DataInfo) else DataInfo(**info)
-    return cls(cls.Config.model_validate(config), info)
+    return cls(cfg, info)
 
 
 def load_checkpoint(
@@ -62,8 +56,11 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
+    from models.registry import model_class
+
     ckpt = torch.load(path, map_location=device, weights_only=True)
-    model = build_model(ckpt["model"], ckpt["config"], ckpt["info"])
+    config = model_class(ckpt["model"]).Config.model_validate(ckpt["config"])
+    model = build_model(ckpt["model"], config, ckpt["info"])
     model.load_state_dict(ckpt["state_dict"])
     return model.to(device).eval(), DataInfo(**ckpt["info"])
 
@@ -125,7 +122,7 @@ def lr_factor(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
 
 def train(
     name: str,
-    model_config: dict,
+    model_config: Section,
     cfg: TrainConfig,
     train_data,
     val_data,
@@ -138,8 +135,9 @@ def train(
 ) -> dict:
     """Train ``name`` on ``train_data`` (a ``PairData``), select on ``val_data``.
 
-    Returns the trained model and the history: one dict per epoch (loss components, val
-    metrics, lr, seconds).
+    ``model_config`` is the model's validated ``models.<name>`` section. Returns the
+    trained model and the history: one dict per epoch (loss components, val metrics, lr);
+    the history goes into tracked files, so it holds nothing that depends on run time.
     ``on_epoch`` is called on rank 0 after each epoch with the history so far (metrics
     files, plots). ``prepare_model`` may change a fresh model before training (e.g. load
     GloVe vectors); it is not called when resuming.
@@ -164,7 +162,11 @@ def train(
     best_rsum, start = -math.inf, 0
     last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
 
-    identity = {"model": name, "config": model.cfg.model_dump(), "info": train_data.info.to_dict()}
+    identity = {
+        "model": name,
+        "config": model_config.model_dump(),
+        "info": train_data.info.to_dict(),
+    }
     if resume and last_path.exists():
         ckpt = torch.load(last_path, map_location=device, weights_only=True)
         for key in ("model", "config", "info"):
@@ -226,7 +228,7 @@ def train(
                 )
         row = {"epoch": epoch, **{k: v / len(batches) for k, v in sums.items()}}
         row["lr"] = optimizer.param_groups[0]["lr"]
-        row["seconds"] = round(time.perf_counter() - t0, 2)
+        seconds = time.perf_counter() - t0
         if rank == 0:
             model.eval()
             val = evaluate_split(model, val_data, cfg.eval_batch_size, device)
@@ -257,7 +259,7 @@ def train(
             )
             log(
                 f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
-                f"(best {best_rsum:.1f}), {row['seconds']:.1f} s"
+                f"(best {best_rsum:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
             )
             if on_epoch is not None:
                 on_epoch(history)
@@ -276,14 +278,69 @@ def _atomic_save(obj: dict, path: Path) -> None:
 
 def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:
     """The DVC metrics file (last epoch, best epoch) and the per-epoch plot table."""
+    from features.files import write_json
+
     if not history:
         return
     if metrics is not None:
         best = max(history, key=lambda r: r.get("val_rsum", -math.inf))
-        metrics.parent.mkdir(parents=True, exist_ok=True)
-        summary = {"epochs": len(history), "last": history[-1], "best": best}
-        metrics.write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(metrics, {"epochs": len(history), "last": history[-1], "best": best})
     if plot is not None:
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in history]
-        plot.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(plot, [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in history])
+
+
+def class_embedder(cfg) -> Callable[[list[str]], np.ndarray]:
+    """Sentence-BERT embeddings of class names (HUSE's semantic graph), offline, on the CPU
+    (``cfg``: the ``sbert`` section)."""
+
+    def embed(names: list[str]) -> np.ndarray:
+        from features.sbert_stats import sbert_encoder
+
+        return sbert_encoder(cfg.model_copy(update={"device": "cpu"}))(names)
+
+    return embed
+
+
+def train_stage(
+    name: str,
+    model_config: Section,
+    cfg: TrainConfig,
+    sbert,
+    paths,
+    out_dir: Path,
+    metrics: Path,
+    plots: Path,
+    *,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Stage ``train@<name>``: the splits' data from the stores, training with selection on
+    val, checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
+    from models.data import PairData
+    from models.registry import model_inputs
+
+    inputs = model_inputs(name, model_config)
+    embedder = class_embedder(sbert) if "labels" in inputs else None
+    train_data = PairData(paths, "train", inputs, class_embedder=embedder)
+    val_data = PairData(paths, "val", inputs)
+    log(
+        f"train {name}: {len(train_data)} train captions ({train_data.n_images} images), "
+        f"{len(val_data)} val captions; inputs {', '.join(sorted(inputs))}"
+    )
+
+    def prepare(model):  # a model's own set-up from the data, e.g. UniVSE's GloVe vectors
+        if hasattr(model, "prepare"):
+            model.prepare(train_data, log)
+
+    return train(
+        name,
+        model_config,
+        cfg,
+        train_data,
+        val_data,
+        out_dir,
+        resume=resume,
+        on_epoch=lambda history: write_history(history, metrics, plots),
+        log=log,
+        prepare_model=prepare,
+    )

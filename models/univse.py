@@ -70,7 +70,7 @@ class UniVSEConfig(Section):
     eta_rel: NonNegativeFloat = 1.0
     eta_rel_start: NonNegativeFloat = 0.0
     rel_start_epoch: NonNegativeInt = 2
-    glove: str | None = None  # GloVe text file for w^(basic); read by the entry point
+    glove: str | None = None  # GloVe text file for w^(basic), read before training
 
 
 def load_glove(path: str | Path, words: list[str]) -> np.ndarray:
@@ -245,6 +245,13 @@ class UniVSE(nn.Module):
         found[0] = False  # <pad> stays zero
         self.basic.weight[found] = matrix[found].to(self.basic.weight)
         return int(found.sum())
+
+    def prepare(self, data, log=print) -> None:
+        """Before training a fresh model: w^(basic) from the ``glove`` file, if given, for
+        the words of the training data's vocabulary (``data.word_index``)."""
+        if self.cfg.glove:
+            rows = self.init_basic_embeddings(load_glove(self.cfg.glove, list(data.word_index)))
+            log(f"univse: {rows} basic word embeddings initialised from {self.cfg.glove}")
 
     # ---- encoders (sec. 3.2-3.3) --------------------------------------------------------
 

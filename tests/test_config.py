@@ -5,7 +5,7 @@ from pydantic import BaseModel, ValidationError
 
 from features.config import ConfigError, Section, format_errors
 from flows.cli import main
-from flows.params import Params, load_params
+from flows.params import load_params, params_model
 
 
 def test_repo_params_are_valid_and_match_the_paper_free_defaults(repo_root):
@@ -56,7 +56,7 @@ def test_broken_yaml_and_missing_file(tmp_path):
 
 
 def test_missing_sections_take_defaults(tmp_path):
-    assert load_text(tmp_path, "") == Params()
+    assert load_text(tmp_path, "") == params_model().model_validate({})
 
 
 def test_nested_model_sections_get_did_you_mean():

@@ -91,19 +91,17 @@ def test_scenegraph_stage_with_the_trained_pipeline(trained, tmp_path):
                 "--manifest",
                 str(tmp_path / "m.parquet"),
                 "--out",
-                str(tmp_path / "sg.parquet"),
+                str(tmp_path / "sg"),
                 "--metrics",
                 str(tmp_path / "sg.json"),
-                "--vocab",
-                str(tmp_path / "v.json"),
             ]
         )
         == 0
     )
-    table = pq.read_table(tmp_path / "sg.parquet").to_pylist()
+    table = pq.read_table(tmp_path / "sg" / "graphs.parquet").to_pylist()
     assert len(table) == 84 * 5 and table[0]["key"] == "train_00000#0"
     assert table[0]["objects"] and {"subject", "relation", "lemma", "object"} <= set(
         next(r for row in table for r in row["relations"])
     )
-    vocab = json.loads((tmp_path / "v.json").read_text())
+    vocab = json.loads((tmp_path / "sg" / "negatives.json").read_text())
     assert "background" in vocab["nouns"] and vocab["relations"]

@@ -185,13 +185,25 @@ def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
     assert features.shape == (20, 3, 3, 256) and np.abs(features).sum() > 0
 
 
-def test_job_comes_from_the_dvc_stage_command(repo_root):
-    from flows.distributed import job_from_dvc
-    from flows.params import load_params
+def test_the_image_stage_takes_its_dask_cluster_from_flags_or_environment(monkeypatch):
+    """The features flow sets VSE_DASK_*; the stage's own arguments say where its data is."""
+    from features.config import UserError
+    from flows.cli import build_parser
+    from flows.commands.extract_images import dask_settings
 
-    grid = job_from_dvc("grid", repo_root)
-    assert grid.out == str(repo_root / "data/features/grid.zarr")
-    assert grid.manifest == str(repo_root / "data/prepared/manifest.parquet")
-    assert grid.config == load_params(repo_root / "params.yaml").grid
-    with pytest.raises(ValueError, match="not `vse extract global"):
-        job_from_dvc("global", repo_root)
+    argv = ["extract", "grid", "--manifest", "m", "--images", "i", "--out", "o"]
+    argv += ["--errors", "e", "--metrics", "j"]
+    args = build_parser().parse_args(argv)
+    monkeypatch.delenv("VSE_DASK_WORKERS", raising=False)
+    monkeypatch.delenv("VSE_DASK_ADDRESS", raising=False)
+    assert dask_settings(args) == (0, None)
+    monkeypatch.setenv("VSE_DASK_WORKERS", "3")
+    assert dask_settings(args) == (3, None)
+    assert dask_settings(build_parser().parse_args([*argv, "--dask-workers", "2"])) == (2, None)
+    monkeypatch.setenv("VSE_DASK_WORKERS", "many")
+    with pytest.raises(UserError, match="VSE_DASK_WORKERS='many'"):
+        dask_settings(args)
+    monkeypatch.setenv("VSE_DASK_WORKERS", "2")
+    monkeypatch.setenv("VSE_DASK_ADDRESS", "tcp://h:8786")
+    with pytest.raises(UserError, match="not both"):
+        dask_settings(args)

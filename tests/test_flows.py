@@ -22,7 +22,7 @@ def test_dag_order_puts_dependencies_first(repo_root):
 
     order = dag_order(repo_root)
     assert order.index("demo-data") < order.index("prepare") < order.index("regions")
-    assert order.index("grid") < order.index("global") < order.index("shards")
+    assert order.index("grid") < order.index("global") < order.index("train@vsepp")
     assert set(dag_order(repo_root, ["global"])) == {"demo-data", "prepare", "grid", "global"}
     with pytest.raises(ValueError, match="unknown DVC stage"):
         dag_order(repo_root, ["nope"])
@@ -32,7 +32,7 @@ def test_flow_runs_stages_shares_dvc_lock_and_fails_loudly(harness, project):
     from flows.pipeline import features_flow
 
     states = features_flow(root=str(project))
-    assert set(states.values()) == {"ran"} and "shards" in states and "demo-data" in states
+    assert set(states.values()) == {"ran"} and "adversarial" in states and "demo-data" in states
     plain = run(["dvc", "repro", *states], project)  # same dvc.lock and cache as the flow
     assert "Running stage" not in plain.stdout
     assert set(features_flow(root=str(project)).values()) == {"skipped"}

@@ -4,13 +4,18 @@ import json
 
 from conftest import run
 
+# stages whose outputs used to carry times or throughput; rerun, they must not change
+RERUN = ["prepare", "regions", "grid", "global", "text", "scenegraph", "adversarial"]
+RERUN += ["train@vsepp", "evaluate@vsepp"]
 
-def test_repro_runs_everything_once_and_team_b_gets_it_without_recomputing(
+
+def test_repro_runs_everything_once_reproducibly_and_team_b_gets_it_without_recomputing(
     project, tmp_path_factory
 ):
     """The whole DAG (features, five models trained and evaluated, report), then nothing;
-    then team A pushes outputs and run cache, and team B's fresh clone pulls and runs
-    nothing (one project for both: the DAG is the suite's most expensive part)."""
+    rerun by force, the outputs are byte-identical; team A pushes outputs and run cache,
+    and team B recomputes nothing, with A's dvc.lock or without it (one project for all:
+    the DAG is the suite's most expensive part)."""
     first = run(["dvc", "repro"], project)
     for stage in ("demo-data", "prepare", "adversarial", "train@univse", "report"):
         assert f"Running stage '{stage}'" in first.stdout
@@ -22,20 +27,32 @@ def test_repro_runs_everything_once_and_team_b_gets_it_without_recomputing(
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
 
+    lock = (project / "dvc.lock").read_text()
+    forced = run(["dvc", "repro", "--force", "--single-item", *RERUN], project)
+    assert all(f"Running stage '{stage}'" in forced.stdout for stage in RERUN)
+    assert (project / "dvc.lock").read_text() == lock, "a rerun changed an output's hash"
+
     remote = tmp_path_factory.mktemp("remote")
     run(["dvc", "remote", "add", "-d", "team", str(remote)], project)
     run(["dvc", "push", "--run-cache"], project)
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=a", "-c", "user.email=a@x", "commit", "-qm", "team A"], project)
     checkpoint = (project / "data/models/vsepp/best.pt").read_bytes()
-    for how in (["dvc", "repro", "--pull"], ["dvc", "pull"]):
+    for name, how, keep_lock in (
+        ("without A's dvc.lock", ["dvc", "repro", "--pull"], False),
+        ("with A's dvc.lock", ["dvc", "pull"], True),
+    ):
         clone = tmp_path_factory.mktemp("team_b") / "repo"
         run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
+        if not keep_lock:
+            (clone / "dvc.lock").unlink()
         result = run(how, clone)
-        assert "Running stage" not in result.stdout, result.stdout
-        assert (clone / "data/models/vsepp/best.pt").read_bytes() == checkpoint
+        assert "Running stage" not in result.stdout, (name, result.stdout)
+        assert (clone / "data/models/vsepp/best.pt").read_bytes() == checkpoint, name
+        if not keep_lock:  # the run cache gave the same outputs, so the same lock
+            assert (clone / "dvc.lock").read_text() == lock, name
         status = run(["dvc", "status"], clone)
-        assert "up to date" in status.stdout, status.stdout
+        assert "up to date" in status.stdout, (name, status.stdout)
 
 
 def test_broken_params_fail_before_any_work(project):

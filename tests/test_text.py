@@ -1,6 +1,8 @@
 """Text features: vocabularies fitted on train, TF-IDF, BERT token and HUSE document
 features (a small random-init BERT with the bundled WordPiece tokenizer), long texts."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -100,9 +102,11 @@ def test_extract_text_store(encoder, tmp_path):
         cfg,
         "w" * 64,
         tmp_path / "t.zarr",
+        tmp_path / "vocab.json",
         StoreConfig(samples_per_shard=8, samples_per_chunk=4),
         log=lambda m: None,
     )
+    assert json.loads((tmp_path / "vocab.json").read_text()) == vocab
     store = Store.open(tmp_path / "t.zarr", kind="text", manifest_digest=manifest.digest)
     assert len(store) == 50 and store.keys[6] == "train_00001#1"
     sample = store["val_00000#2"]

@@ -12,8 +12,9 @@ from model_data import TinyPairs
 
 from models.common import TrainConfig
 from models.train import TrainingError, epoch_batches, load_checkpoint, lr_factor, train
+from models.vsepp import VSEPPConfig
 
-VSEPP = {"embed_size": 32, "word_dim": 16}
+VSEPP = VSEPPConfig(embed_size=32, word_dim=16)
 CFG = TrainConfig(epochs=3, batch_size=8, lr=2e-3, lr_decay_epochs=[2], device="cpu")
 
 
@@ -50,7 +51,15 @@ def test_resume_continues_exactly(tmp_path, data):
 def test_resume_refuses_another_config(tmp_path, data):
     train("vsepp", VSEPP, CFG.model_copy(update={"epochs": 1}), data, data, tmp_path, log=print)
     with pytest.raises(TrainingError, match="another config"):
-        train("vsepp", {**VSEPP, "margin": 0.5}, CFG, data, data, tmp_path, resume=True)
+        train(
+            "vsepp",
+            VSEPP.model_copy(update={"margin": 0.5}),
+            CFG,
+            data,
+            data,
+            tmp_path,
+            resume=True,
+        )
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data):

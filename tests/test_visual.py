@@ -15,7 +15,8 @@ from PIL import Image
 from torchvision.ops import roi_align
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import bad_images, extract_global, extract_images
+from features.extract import extract_images
+from features.global_features import extract_global, fit_pca, project
 from features.ingest import (
     READERS,
     Dataset,
@@ -25,15 +26,13 @@ from features.ingest import (
     validate,
     write_manifest,
 )
-from features.store import Store, StoreConfig
+from features.store import Store, StoreConfig, incomplete_path
 from features.visual import (
     GridExtractor,
     RegionExtractor,
     build_detector,
     build_trunk,
     butd_select,
-    fit_pca,
-    project,
     to_tensor,
 )
 from features.visual_config import GridConfig, RegionsConfig
@@ -215,7 +214,7 @@ def test_bad_images_are_reported_not_fatal(tmp_path):
     cfg = grid_cfg()
     extractor = GridExtractor(build_trunk(cfg), cfg, CPU)
     extract_images(extractor, manifest, tmp_path / "images", tmp_path / "g.zarr", cfg, LAYOUT)
-    bad = bad_images(tmp_path / "g.zarr")
+    bad = Store.open(tmp_path / "g.zarr").notes()
     assert {k: v[0] for k, v in bad.items()} == {
         "truncated": "corrupt",
         "empty": "empty_file",
@@ -294,22 +293,19 @@ def test_killed_extraction_resumes_to_the_same_store(demo, tmp_path):
     run = [sys.executable, "-W", "ignore", "-c", JOB, str(root)]
     subprocess.run([*run, str(tmp_path / "clean.zarr")], check=True, env=env)
     proc = subprocess.Popen([*run, str(tmp_path / "killed.zarr")], env=env)
-    marker = tmp_path / "killed.zarr" / "_commits" / "c" / "0"
+    marker = incomplete_path(tmp_path / "killed.zarr") / "_commits" / "c" / "0"
     deadline = time.time() + 120
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    partial = Store.open(tmp_path / "killed.zarr", require_complete=False)
+    partial = Store.open(incomplete_path(tmp_path / "killed.zarr"), require_complete=False)
     assert 0 < partial.committed.sum() < len(partial.committed)
+    assert not (tmp_path / "killed.zarr").exists()  # built aside until complete
     subprocess.run([*run, str(tmp_path / "killed.zarr")], check=True, env=env)
 
     def data_files(path):
-        return {
-            str(f.relative_to(path)): f.read_bytes()
-            for f in sorted(path.rglob("*"))
-            if f.is_file() and f.name != "zarr.json"
-        }
+        return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))}
 
     assert data_files(tmp_path / "killed.zarr") == data_files(tmp_path / "clean.zarr")
     assert Store.open(tmp_path / "killed.zarr").verify() == []

@@ -1,0 +1,69 @@
+"""Writing outputs so that no reader ever sees one half-written.
+
+Every file or folder a stage produces is written aside under a unique temporary name in
+the same folder, then moved into place with one ``os.replace`` (atomic on POSIX within a
+file system). A killed writer leaves only its temporary file, never a truncated output;
+a hardlinked DVC cache object is never opened for writing in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; moved onto ``path`` on success,
+    removed on failure. With ``directory``, the temporary path is an empty folder and an
+    existing ``path`` folder is replaced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if directory:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if directory:
+            replace_dir(tmp, path)
+        else:
+            os.chmod(tmp, 0o644)  # mkstemp makes files 0600
+            os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move folder ``src`` onto ``dst``: an old ``dst`` is moved aside first and deleted
+    after, so ``dst`` is at every moment either the old folder, absent, or the new one."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
+    """Write ``data`` as JSON, atomically; the same data gives the same bytes."""
+    write_text(path, json.dumps(data, indent=indent) + "\n")

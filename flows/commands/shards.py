@@ -1,0 +1,89 @@
+"""``vse shards build``: pack training samples into WebDataset shards for streaming.
+
+Not a DVC stage: the DAG trains from the feature stores (memory-mapped on one machine),
+and shards duplicate the stores' bytes, so they are built on demand for streaming
+training (many machines, object storage).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from flows.commands import Command, path_in, path_out, progress
+
+
+def _named_paths(items: list[str], option: str) -> dict[str, str]:
+    from features.store import StoreError
+
+    named = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise StoreError(f"{option} {item!r}: expected NAME=PATH, e.g. regions=data/x.zarr")
+        named[name] = path
+    return named
+
+
+def arguments(p) -> None:
+    path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
+    path_out(p, "--out", help="output folder of the shards")
+    p.add_argument(
+        "--store",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a feature store to pack, e.g. regions=data/features/regions.zarr (repeatable)",
+    )
+    path_in(p, "--text", help="caption-level text store: pack its token ids per caption")
+    path_in(
+        p,
+        "--scenegraphs",
+        help="scene-graph folder (vse extract scenegraph): pack each caption's graph",
+    )
+
+
+def run(args, params) -> int:
+    from features.ingest import read_manifest
+    from features.shards import build_shards, read_scene_graphs
+    from features.store import Store
+
+    manifest = read_manifest(Path(args.manifest))
+    stores = {
+        name: Store.open(path, manifest_digest=manifest.digest)
+        for name, path in _named_paths(args.store, "--store").items()
+    }
+    text = (
+        Store.open(args.text, kind="text", manifest_digest=manifest.digest) if args.text else None
+    )
+    start = time.perf_counter()
+    sizes = build_shards(
+        manifest,
+        stores,
+        Path(args.out),
+        params.shards.samples_per_shard,
+        progress=progress("shards", unit="block"),
+        text=text,
+        scene_graphs=read_scene_graphs(Path(args.scenegraphs)) if args.scenegraphs else None,
+    )
+    seconds = time.perf_counter() - start
+    total = sum(sizes.values())
+    packed = ", ".join(stores) or "no feature stores"
+    print(
+        f"shards: {total} samples in {len(sizes)} shards ({packed}) to {args.out} "
+        f"in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} samples/s)"
+    )
+    return 0
+
+
+COMMANDS = [
+    Command(
+        "shards build",
+        help="pack per-split training samples into tar shards (params: shards)",
+        description="Pack captions, labels, ground-truth boxes and the fields of the given "
+        "stores into {split}-NNNNNN.tar shards with a sizes.json.",
+        arguments=arguments,
+        run=run,
+        sections=("shards",),
+    )
+]

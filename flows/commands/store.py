@@ -1,0 +1,222 @@
+"""``vse store ls | info | verify | import-precomp | import-tsv | export-precomp``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from flows.commands import Command, path_in, path_out, progress
+
+
+def _storage_options(args) -> dict | None:
+    from features.store import StoreError
+
+    if not args.storage_options:
+        return None
+    try:
+        return json.loads(args.storage_options)
+    except json.JSONDecodeError as err:
+        raise StoreError(f"--storage-options: not a JSON object ({err})") from None
+
+
+def _url_arguments(p) -> None:
+    p.add_argument(
+        "url", help="store path or URL, e.g. data/features/regions.zarr or s3://b/r.zarr"
+    )
+    p.add_argument(
+        "--storage-options",
+        help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+
+
+def run_ls(args, params) -> int:
+    from features.store import Store, find_stores
+
+    rows = []
+    for path in find_stores(args.root):
+        store = Store.open(path, require_complete=False)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        state = (
+            "complete"
+            if store.committed.all()
+            else "partial " + store.describe()["committed_shards"]
+        )
+        rows.append(
+            (
+                str(path),
+                store.kind,
+                str(len(store)),
+                state,
+                store.fingerprint[:12],
+                f"{size / 2**20:.1f} MB",
+            )
+        )
+    if not rows:
+        print(f"no feature stores under {args.root}")
+        return 0
+    header = ("path", "kind", "samples", "state", "fingerprint", "size")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def run_info(args, params) -> int:
+    from features.store import Store
+
+    store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
+    info = store.describe()
+    print(
+        json.dumps(info, indent=2) if args.json else yaml.safe_dump(info, sort_keys=False), end=""
+    )
+    return 0
+
+
+def run_verify(args, params) -> int:
+    from features.store import Store
+
+    store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
+    problems = store.verify()
+    for problem in problems:
+        print(f"{args.url}: {problem}")
+    if problems:
+        print(f"verify: {len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        return 1
+    print(f"verify: {args.url} is intact ({len(store)} samples, all shards committed)")
+    return 0
+
+
+def precomp_arguments(p) -> None:
+    path_in(p, "folder", help="precomp folder, e.g. data/f30k_precomp")
+    p.add_argument(
+        "--splits",
+        nargs="+",
+        default=["train", "dev", "test"],
+        help="precomp split names (dev -> val, testall -> test)",
+    )
+    path_out(p, "--manifest", help="manifest parquet to write")
+    path_out(p, "--out", help="regions store to write")
+
+
+def run_import_precomp(args, params) -> int:
+    from features.precomp import import_precomp
+
+    manifest = import_precomp(
+        Path(args.folder),
+        args.splits,
+        Path(args.manifest),
+        Path(args.out),
+        params.store,
+        progress=progress("import", unit="shard"),
+    )
+    print(f"import: {len(manifest)} images of {args.splits} -> {args.manifest} and {args.out}")
+    return 0
+
+
+def tsv_arguments(p) -> None:
+    path_in(
+        p,
+        "tsv",
+        nargs="+",
+        help="TSV files (image_id, image_w, image_h, num_boxes, boxes, features)",
+    )
+    path_in(p, "--manifest", required=True, help="manifest the store is aligned with")
+    path_out(p, "--out", help="regions store to write")
+    p.add_argument("--max-regions", type=int, default=36, help="regions kept per image")
+
+
+def run_import_tsv(args, params) -> int:
+    from features.ingest import read_manifest
+    from features.precomp import import_butd_tsv
+
+    manifest = read_manifest(Path(args.manifest))
+    missing = import_butd_tsv(
+        [Path(f) for f in args.tsv],
+        manifest,
+        Path(args.out),
+        params.store,
+        args.max_regions,
+        progress=progress("import", unit="shard"),
+    )
+    print(f"import: {len(manifest) - len(missing)} of {len(manifest)} images -> {args.out}")
+    if missing:
+        print(
+            f"import: {len(missing)} manifest images have no TSV row (stored with 0 regions), "
+            f"e.g. {', '.join(missing[:5])}"
+        )
+    return 0
+
+
+def export_arguments(p) -> None:
+    path_in(p, "store", help="regions store")
+    path_in(p, "--manifest", required=True, help="the manifest the store was built from")
+    p.add_argument("--split", required=True, choices=["train", "val", "test"])
+    path_out(p, "--out", help="output folder")
+    p.add_argument("--regions", type=int, default=36, help="regions per image (pad or cut)")
+
+
+def run_export_precomp(args, params) -> int:
+    from features.ingest import read_manifest
+    from features.precomp import export_precomp
+    from features.store import Store
+
+    manifest = read_manifest(Path(args.manifest))
+    store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+    path = export_precomp(store, manifest, args.split, Path(args.out), n_regions=args.regions)
+    print(f"export: {args.split} -> {path} (+ captions and ids)")
+    return 0
+
+
+COMMANDS = [
+    Command(
+        "store ls",
+        help="list the stores under a folder",
+        arguments=lambda p: p.add_argument(
+            "root", nargs="?", default="data", help="folder to search (default: data)"
+        ),
+        run=run_ls,
+        sections=None,
+    ),
+    Command(
+        "store info",
+        help="show how a store was made: kind, fingerprint, inputs, layout",
+        arguments=lambda p: (
+            _url_arguments(p),
+            p.add_argument("--json", action="store_true", help="print JSON instead of YAML"),
+        ),
+        run=run_info,
+        sections=None,
+    ),
+    Command(
+        "store verify",
+        help="recompute checksums; name every corrupt or missing file",
+        arguments=_url_arguments,
+        run=run_verify,
+        sections=None,
+    ),
+    Command(
+        "store import-precomp",
+        help="import a SCAN/VSE++ precomp folder as a manifest + regions store (params: store)",
+        description="Reads {split}_ims.npy, {split}_caps.txt and {split}_ids.txt if present.",
+        arguments=precomp_arguments,
+        run=run_import_precomp,
+        sections=("store",),
+    ),
+    Command(
+        "store import-tsv",
+        help="import bottom-up-attention TSV features for a manifest's images (params: store)",
+        arguments=tsv_arguments,
+        run=run_import_tsv,
+        sections=("store",),
+    ),
+    Command(
+        "store export-precomp",
+        help="export one split of a regions store to the precomp layout",
+        arguments=export_arguments,
+        run=run_export_precomp,
+        sections=None,
+    ),
+]

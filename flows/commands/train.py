@@ -1,0 +1,89 @@
+"""``vse train MODEL`` (stage ``train@MODEL``): one model trained from the feature stores,
+and the store arguments that ``vse evaluate`` shares."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from flows.commands import Command, path_in, path_out
+from models.registry import MODEL_NAMES
+
+
+def feature_arguments(p) -> None:
+    """The stores and files a model may read; each model reads only what it needs."""
+    path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
+    path_in(p, "--global", dest="global_", help="global image store (vse extract global)")
+    path_in(p, "--regions", help="region store (vse extract regions)")
+    path_in(p, "--grid", help="grid store (vse extract grid)")
+    path_in(p, "--text", help="caption-level text store (vse extract text)")
+    path_in(p, "--vocab", help="word and TF-IDF vocabularies (vse extract text)")
+    path_in(
+        p,
+        "--scenegraphs",
+        help="scene graphs and negative vocabularies folder (vse extract scenegraph)",
+    )
+
+
+def feature_paths(args):
+    from models.data import FeaturePaths
+
+    def path(value):
+        return Path(value) if value else None
+
+    return FeaturePaths(
+        manifest=Path(args.manifest),
+        global_=path(args.global_),
+        regions=path(args.regions),
+        grid=path(args.grid),
+        text=path(args.text),
+        vocab=path(args.vocab),
+        scenegraphs=path(args.scenegraphs),
+    )
+
+
+def train_arguments(p) -> None:
+    p.add_argument("model", choices=MODEL_NAMES)
+    feature_arguments(p)
+    path_out(p, "--out", help="folder for last.pt and best.pt")
+    path_out(p, "--metrics", help="JSON of the last and best epochs")
+    path_out(p, "--plots", help="JSON rows per epoch (a DVC plot)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from OUT/last.pt (same params and data)"
+    )
+
+
+def run_train(args, params) -> int:
+    from models.train import train_stage
+
+    start = time.perf_counter()
+    result = train_stage(
+        args.model,
+        getattr(params.models, args.model),
+        params.train,
+        params.sbert,
+        feature_paths(args),
+        Path(args.out),
+        Path(args.metrics),
+        Path(args.plots),
+        resume=args.resume,
+    )
+    print(
+        f"train {args.model}: best val rsum {result['best_rsum']:.1f} after "
+        f"{len(result['history'])} epochs in {time.perf_counter() - start:.0f} s -> {args.out}"
+    )
+    return 0
+
+
+COMMANDS = [
+    Command(
+        "train",
+        help="train one model from the feature stores (params: train, models.MODEL)",
+        description="Reads only the stores the model needs; checkpoints every epoch "
+        "(last.pt, resumable with --resume) and keeps the best on validation rsum (best.pt). "
+        "Under torchrun it trains with DDP.",
+        arguments=train_arguments,
+        run=run_train,
+        sections=("train", "models", "sbert"),
+    ),
+]

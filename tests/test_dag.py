@@ -1,0 +1,132 @@
+"""dvc.yaml tells the truth: each stage depends on exactly the project code its command
+runs and on every path it reads, declares every path it writes, names each path once, and
+keeps its run-cache entry (no `persist`)."""
+
+import ast
+import re
+import shlex
+
+import pytest
+import yaml
+from dag_deps import REPO, command_of, module_file, stage_code_deps, stages
+
+from flows.commands import stage_paths
+
+STAGES = stages()
+RAW = yaml.safe_load((REPO / "dvc.yaml").read_text())
+
+
+def _paths(outs) -> set[str]:
+    return {str(out.def_path) for out in outs}
+
+
+def _inside(path: str, folders: set[str]) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_code_deps_are_exactly_the_modules_the_command_runs(name):
+    stage = STAGES[name]
+    listed = {p for p in _paths(stage.deps) if p.endswith(".py")}
+    derived = stage_code_deps(stage)
+    assert not derived - listed, f"{name}: dvc.yaml misses code deps {sorted(derived - listed)}"
+    assert not listed - derived, f"{name}: deps on code it never runs {sorted(listed - derived)}"
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_paths_the_command_reads_are_deps_and_those_it_writes_are_outs(name):
+    stage = STAGES[name]
+    args = command_of(shlex.split(stage.cmd))
+    paths = stage_paths(args.command_parser, args)
+    deps = {p for p in _paths(stage.deps) if not p.endswith(".py")}
+    outs = _paths(stage.outs)
+    missing = [p for p in paths["in"] if not _inside(p, deps)]
+    assert not missing, f"{name} reads {missing}, which are not among its deps"
+    undeclared = [p for p in paths["out"] if p not in outs]
+    assert not undeclared, f"{name} writes {undeclared}, which are not its outs"
+    sections = args.command_spec.sections or ()
+    params = [key for d in stage.deps if getattr(d, "params", None) for key in d.params]
+    unread = [s for s in sections if not any(k.split(".")[0] == s for k in params)]
+    assert not unread, f"{name} reads params sections {unread} that dvc.yaml does not list"
+
+
+def test_every_stage_that_touches_a_store_depends_on_the_store_code():
+    """Editing features/store.py reruns every stage that writes or reads a store."""
+    for name, stage in STAGES.items():
+        paths = _paths(stage.deps) | _paths(stage.outs)
+        if any(".zarr" in p for p in paths):
+            assert "features/store.py" in stage_code_deps(stage), name
+
+
+def test_no_stage_persists_its_outputs():
+    """DVC keeps no run-cache entry for a stage with a `persist` output."""
+    for name, stage in STAGES.items():
+        assert not [o for o in stage.outs if o.persist], name
+
+
+def test_each_path_is_written_once():
+    """Data paths are written in `vars` only; params.yaml holds none of them."""
+    text = (REPO / "dvc.yaml").read_text()
+    literals = re.findall(r"(?<![\w$}/.-])((?:data|metrics|plots|reports)/[\w./-]+)", text)
+    repeated = {p for p in literals if literals.count(p) > 1}
+    assert not repeated, f"paths written more than once in dvc.yaml: {sorted(repeated)}"
+    declared = {v for var in RAW["vars"] for group in var.values() for v in group.values()}
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+
+    def values(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                yield from values(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from values(v)
+        else:
+            yield node
+
+    shared = [v for v in values(params) if isinstance(v, str) and v in declared]
+    assert not shared, f"params.yaml holds paths that dvc.yaml holds: {shared}"
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for module in found:
+                target = module_file(module)
+                if target is not None and target != path:
+                    rel = target.relative_to(REPO).with_suffix("")
+                    edges.add(".".join(rel.parts).removesuffix(".__init__"))
+        graph[name] = edges
+    return graph
+
+
+def test_flows_has_no_import_circle():
+    graph = _import_graph("flows")
+    state: dict[str, int] = {}
+
+    def visit(node, trail):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import circle: {' -> '.join([*trail, node, nxt])}")
+            if nxt in graph and not state.get(nxt):
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in graph:
+        if not state.get(node):
+            visit(node, [])
+
+
+def test_features_and_models_never_import_flows():
+    for package in ("features", "models"):
+        for name, edges in _import_graph(package).items():
+            assert not [e for e in edges if e.startswith("flows")], name
