@@ -701,7 +701,8 @@ class _Builder:
             and t.i < head.i
             and head.head != head.i
         ):
-            return self._entities(self.toks[head.head], members)
+            nouns = self._distribute(self.toks[head.head], head, ("acl", "relcl"))
+            return [e for n in nouns for e in self._entities(n, members)]
         if t.pos in NOUNS or t.text == "close":
             if self._is_frame(t) or self._is_quantity(t):
                 return self._of_objects(t, members)

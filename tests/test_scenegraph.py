@@ -438,6 +438,15 @@ DEFECTS = [
         {("dog", "run on", "grass")},
     ),
     (
+        "relative clause after conjoined nouns applies to all",
+        "a/DET/det/1 man/NOUN/ROOT/1 and/CCONJ/cc/1 a/DET/det/4 woman/NOUN/conj/1 "
+        "who/PRON/nsubj/7 are/AUX/aux/7/be holding/VERB/relcl/4/hold "
+        "umbrellas/NOUN/dobj/7/umbrella",
+        {"man", "woman", "umbrella"},
+        set(),
+        {("man", "hold", "umbrella"), ("woman", "hold", "umbrella")},
+    ),
+    (
         "relative pronoun as object",
         "a/DET/det/1 pizza/NOUN/ROOT/1 that/PRON/dobj/6 a/DET/det/4 man/NOUN/nsubj/6 "
         "is/AUX/aux/6/be eating/VERB/relcl/1/eat",
