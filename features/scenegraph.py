@@ -1003,10 +1003,13 @@ def parse_captions(
     n_process: int = 1,
 ) -> list[dict]:
     """One row per caption: key, caption and its scene graph (surface forms and lemmas)."""
-    return _parse(nlp, keys, texts, batch_size, progress, n_process)[0]
+    return parse_captions_timed(nlp, keys, texts, batch_size, progress, n_process)[0]
 
 
-def _parse(nlp, keys, texts, batch_size, progress, n_process) -> tuple[list[dict], float]:
+def parse_captions_timed(
+    nlp, keys, texts, batch_size=256, progress=None, n_process=1
+) -> tuple[list[dict], float]:
+    """:func:`parse_captions`, and the seconds spent in the rules (the rest is spaCy)."""
     parser = Parser.for_pipeline(nlp)
     rows, rules = [], 0.0
     docs = nlp.pipe((normalise_case(t) for t in texts), batch_size=batch_size, n_process=n_process)
@@ -1036,7 +1039,7 @@ def extract_scene_graphs(
 
     keys, texts, splits = caption_rows(manifest)
     start = time.perf_counter()
-    rows, rules = _parse(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process)
+    rows, rules = parse_captions_timed(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process)
     seconds = time.perf_counter() - start
     vocab = negative_vocab(rows, splits)
     return ScenegraphResult(
