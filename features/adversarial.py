@@ -72,7 +72,9 @@ def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str
             return None
         if graph["objects"]:
             i = int(rng.integers(len(graph["objects"])))
-            text = _replace_word(text, graph["objects"][i]["head"], noun)
+            old = graph["objects"][i]
+            # the whole name of a compound ("fire hydrant"), else its head word
+            text = _replace_word(text, old["span"], noun) or _replace_word(text, old["head"], noun)
             graph["objects"][i] = {"span": noun, "head": noun, "lemma": noun}
         else:
             text = f"{text} and a {noun}"
@@ -87,15 +89,25 @@ def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str
             graph["attributes"][i].update(attribute=adjective, lemma=adjective)
         else:
             o = int(rng.integers(len(graph["objects"])))
-            head = graph["objects"][o]["head"]
-            text = _replace_word(text, head, f"{adjective} {head}")
+            span, head = graph["objects"][o]["span"], graph["objects"][o]["head"]
+            # before the whole name: "a green fire hydrant", not "a fire green hydrant"
+            text = _replace_word(text, span, f"{adjective} {span}") or _replace_word(
+                text, head, f"{adjective} {head}"
+            )
             graph["attributes"].append({"object": o, "attribute": adjective, "lemma": adjective})
     else:
         relation = pick("relations")
         if relation is None or not graph["objects"]:
             return None
-        if graph["relations"]:
-            i = int(rng.integers(len(graph["relations"])))
+        # relations written as one phrase in the caption ("sitting on", not "sitting alone
+        # on" nor a possessive's "have") can be replaced; otherwise one is attached
+        replaceable = [
+            i
+            for i, r in enumerate(graph["relations"])
+            if _replace_word(text, r["relation"], relation) is not None
+        ]
+        if replaceable:
+            i = replaceable[int(rng.integers(len(replaceable)))]
             text = _replace_word(text, graph["relations"][i]["relation"], relation)
             graph["relations"][i].update(relation=relation, lemma=relation)
         else:

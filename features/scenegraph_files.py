@@ -21,13 +21,35 @@ from features.files import atomic_path, write_json
 GRAPHS, NEGATIVES = "graphs.parquet", "negatives.json"
 
 
+def schema():
+    """The columns of ``graphs.parquet`` (fixed, so an empty or odd batch of rows writes
+    the same schema)."""
+    import pyarrow as pa
+
+    s, i = pa.string(), pa.int64()
+
+    def records(**fields):
+        return pa.list_(pa.struct(list(fields.items())))
+
+    return pa.schema(
+        [
+            ("key", s),
+            ("caption", s),
+            ("objects", records(span=s, head=s, lemma=s)),
+            ("attributes", records(object=i, attribute=s, lemma=s)),
+            ("relations", records(subject=i, relation=s, lemma=s, object=i)),
+        ]
+    )
+
+
 def write_scene_graphs(folder: str | Path, rows: list[dict], negatives: dict) -> None:
-    """Write the folder atomically: it appears whole or not at all."""
+    """Write the folder atomically: it appears whole or not at all; the same rows give the
+    same bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     with atomic_path(folder, directory=True) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows), tmp / GRAPHS)
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp / GRAPHS)
         write_json(tmp / NEGATIVES, negatives, indent=1)
 
 

@@ -34,7 +34,6 @@ SECTIONS = {
     "global": "features.global_features:GlobalConfig",
     "sbert": "features.sbert_stats:SbertConfig",
     "text": "features.text:TextConfig",
-    "parser": "features.demo_parser:ParserConfig",
     "scenegraph": "features.scenegraph:ScenegraphConfig",
     "adversarial": "features.adversarial:AdversarialConfig",
     "train": "models.common:TrainConfig",

@@ -78,3 +78,68 @@ def test_reproducible_and_seeded():
     assert {f["caption"] for f in other} <= {
         f["caption"] for f in fakes(AdversarialConfig(per_caption=50, max_tries=500))
     }
+
+
+def test_graphs_of_real_captions_compounds_and_relation_phrases():
+    """Real parses name compounds ("fire hydrant"), relations that are phrases of the
+    caption ("parked on the side of"), not contiguous ("sitting alone on") or not in it at
+    all (a possessive's "have"): every attack still makes a fake that edits whole names."""
+    rows = [
+        {
+            "key": "a#0",
+            "caption": "A red fire hydrant parked on the side of a street.",
+            "objects": [
+                {"span": "fire hydrant", "head": "hydrant", "lemma": "fire hydrant"},
+                obj("street"),
+            ],
+            "attributes": [{"object": 0, "attribute": "red", "lemma": "red"}],
+            "relations": [
+                {
+                    "subject": 0,
+                    "relation": "parked on the side of",
+                    "lemma": "park on the side of",
+                    "object": 1,
+                }
+            ],
+        },
+        {
+            "key": "a#1",
+            "caption": "A man's dog sitting alone on a park bench.",
+            "objects": [
+                obj("man"),
+                obj("dog"),
+                {"span": "park bench", "head": "bench", "lemma": "park bench"},
+            ],
+            "attributes": [],
+            "relations": [
+                {"subject": 0, "relation": "have", "lemma": "have", "object": 1},
+                {"subject": 1, "relation": "sitting on", "lemma": "sit on", "object": 2},
+            ],
+        },
+    ]
+    vocab = {
+        "nouns": {"table": 3, "kite": 2},
+        "adjectives": {"green": 2},
+        "relations": {"under": 2, "sit next to": 1},
+    }
+    out = adversarial_captions(rows, ["a", "a"], vocab, AdversarialConfig(per_caption=10))
+    for key in ("a#0", "a#1"):
+        assert {f["attack"] for f in out if f["source"] == key} == {
+            "object",
+            "attribute",
+            "relation",
+        }
+    captions = {f["caption"] for f in out}
+    assert "A red table parked on the side of a street." in captions  # the whole name
+    assert not any("fire table" in c or "fire kite" in c for c in captions)
+    assert "A red fire hydrant under a street." in captions
+    assert "A green fire hydrant parked on the side of a street." in captions
+    # nothing replaceable in a#1's text: a relation and a new object are attached
+    added = [f for f in out if f["source"] == "a#1" and f["attack"] == "relation"]
+    assert added and all(len(f["objects"]) == 4 for f in added)
+    assert all(
+        f["caption"].startswith("A man's dog sitting alone on a park bench. ") for f in added
+    )
+    green = [f for f in out if f["source"] == "a#1" and f["attack"] == "attribute"]
+    assert any("green park bench" in f["caption"] for f in green)
+    assert not any("park green bench" in f["caption"] for f in green)

@@ -3,7 +3,6 @@ UniVSE's negative-sampling vocabularies."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from flows.commands import Command, path_in, path_out, progress
@@ -17,47 +16,34 @@ def arguments(p) -> None:
         help="folder of the scene graphs (graphs.parquet, one row per caption) and UniVSE's "
         "negative-sampling vocabularies (negatives.json: train nouns, adjectives, relations)",
     )
-    path_out(p, "--metrics", help="JSON of counts")
+    path_out(p, "--metrics", help="JSON of counts (a DVC metrics file)")
 
 
 def run(args, params) -> int:
-    # TODO(issue 14): the stage's logic moves into features.scenegraph with the real parser
-
     from features.files import write_json
-    from features.ingest import IngestError, read_manifest
-    from features.scenegraph import load_spacy, negative_vocab, parse_captions
+    from features.ingest import read_manifest
+    from features.scenegraph import extract_scene_graphs, load_pipeline
     from features.scenegraph_files import write_scene_graphs
 
     cfg = params.scenegraph
     manifest = read_manifest(Path(args.manifest))
-    try:
-        nlp = load_spacy(cfg.spacy_model)
-    except RuntimeError as err:
-        raise IngestError(str(err)) from None
-    keys, texts, splits = manifest.caption_rows()
-    start = time.perf_counter()
+    nlp, model = load_pipeline(cfg.spacy_model)
+    print(
+        f"scenegraph: spaCy pipeline {model['name']} -> {model['package']} {model['version']} "
+        f"({', '.join(nlp.pipe_names)})"
+    )
+    total = sum(len(c) for c in manifest.table["captions"].to_pylist())
     bar = progress("scenegraph", unit="caption")
-    rows = parse_captions(
-        nlp, keys, texts, cfg.batch_size, progress=lambda docs: bar(docs, total=len(texts))
-    )
-    seconds = time.perf_counter() - start
-    vocab = negative_vocab(rows, splits)
-    write_scene_graphs(args.out, rows, vocab)
-    counts = {
-        k: round(sum(len(r[k]) for r in rows) / max(len(rows), 1), 3)
-        for k in ("objects", "attributes", "relations")
-    }
-    write_json(args.metrics, {"captions": len(rows), "per_caption": counts})
+    result = extract_scene_graphs(manifest, nlp, cfg, progress=lambda docs: bar(docs, total=total))
+    write_scene_graphs(args.out, result.rows, result.vocab)
+    write_json(args.metrics, {**result.summary, "model": model})
+    counts, speed = result.summary["per_caption"], result.timings
     print(
-        f"scenegraph: negative-sampling vocabularies (train): {len(vocab['nouns'])} nouns, "
-        f"{len(vocab['adjectives'])} adjectives, {len(vocab['relations'])} relations "
-        f"-> {args.out}"
-    )
-    print(
-        f"scenegraph: {len(rows)} captions with {cfg.spacy_model} in {seconds:.1f} s "
-        f"({len(rows) / max(seconds, 1e-9):.0f} captions/s); per caption {counts['objects']} "
-        f"objects, {counts['attributes']} attributes, {counts['relations']} relations "
-        f"-> {args.out}"
+        f"scenegraph: {speed['captions']} captions in {speed['seconds']:.1f} s "
+        f"({speed['captions_per_s']:.0f} captions/s, {speed['rules_seconds']:.1f} s in the "
+        f"rules); per caption {counts['objects']} objects, {counts['attributes']} attributes, "
+        f"{counts['relations']} relations; negative vocabularies (train): "
+        f"{result.summary['negative_vocab']} -> {args.out}"
     )
     return 0
 
@@ -67,7 +53,7 @@ COMMANDS = [
         "extract scenegraph",
         help="scene graphs of every caption from a spaCy parse (params: scenegraph)",
         description="Objects, attribute-object pairs and relation triples per caption, by "
-        "rules over a dependency parse (Schuster et al. 2015), to parquet.",
+        "rules over a dependency parse (Schuster et al. 2015), to a folder of parquet and JSON.",
         arguments=arguments,
         run=run,
         sections=("scenegraph",),
