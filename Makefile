@@ -7,23 +7,29 @@ export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test lint
+.PHONY: install install-dev demo test lint
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed        # what the demo needs
+
+install-dev: $(VENV)/.installed-dev  # and every extra, with the test tools
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "error: Python >= 3.11 is needed; run e.g. 'make PYTHON=python3.11 $(MAKECMDGOALS)'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
 demo: install
 	dvc repro
 
-test: install
+test: install-dev
 	pytest
 
-lint: install
-	ruff check flows features models tests
+lint: install-dev
+	ruff check flows features models tests benchmarks

@@ -27,6 +27,20 @@ class ConfigError(ValueError):
     """A config file failed validation; the message lists every problem by key path."""
 
 
+def require_extra(module: str, extra: str, feature: str):
+    """Import ``module``, installed by the package extra ``extra``; if it is missing, a
+    one-line error naming the extra (``pip install 'vse-pipeline[dask]'``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(
+            f"{feature} needs the [{extra}] extra: pip install -e '.[{extra}]' in the "
+            "repository"
+        ) from None
+
+
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names (aliases included) of the section at ``loc``, for did-you-mean hints."""
     for part in loc:

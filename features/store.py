@@ -651,6 +651,10 @@ class StoreWriter:
 
 def _open_group(url: str | Path, storage_options: dict | None = None):
     url = str(url)
+    if url.startswith("s3://"):
+        from features.config import require_extra
+
+        require_extra("s3fs", "s3", f"reading {url}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -40,23 +40,30 @@ def train_and_evaluate(
     from models.report import markdown_table
 
     stage = f"evaluate@{model}"
-    states = _run([stage], root, overrides, pull, push, remote)
-    results = {}
-    for path in stage_metrics(root, stage):
-        result = json.loads(path.read_text())
-        results[result.get("model", model)] = result
-    table = markdown_table(results)
-    if overrides:
-        table += "\nParams overridden in this run (a DVC experiment): " + ", ".join(
-            f"`{k}={v}`" for k, v in overrides.items()
+
+    def attach_evaluation(workspace: Path, experiment: str | None) -> None:
+        results = {}
+        for path in stage_metrics(workspace, stage):
+            result = json.loads(path.read_text())
+            results[result.get("model", model)] = result
+        table = markdown_table(results)
+        if experiment:
+            table += (
+                f"\nDVC experiment `{experiment}` (`dvc exp show`, `dvc exp apply {experiment}`)"
+                ", params overridden: "
+                + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in overrides.items())
+            )
+        create_markdown_artifact(
+            markdown=f"# {model}: evaluation\n\n{table}",
+            key=f"evaluation-{model}",
+            description=f"{model} retrieval metrics on the evaluation split"
+            + (f" (experiment {experiment})" if experiment else ""),
         )
-    create_markdown_artifact(
-        markdown=f"# {model}: evaluation\n\n{table}",
-        key=f"evaluation-{model}",
-        description=f"{model} retrieval metrics on the evaluation split",
+        get_run_logger().info("evaluation of %s:\n%s", model, table)
+
+    return _run(
+        f"train-{model}", [stage], root, overrides, pull, push, remote, collect=attach_evaluation
     )
-    get_run_logger().info("evaluation of %s:\n%s", model, table)
-    return states
 
 
 def _training_flow(model: str):
@@ -95,6 +102,7 @@ def serve(root: str | Path = ".", limit: int = 1) -> None:
     at a time: DVC serialises stages on one repository anyway."""
     from prefect import serve as prefect_serve
 
+    wait_for_server()
     root = str(Path(root).resolve())
     flows = [features_flow, pipeline_flow, *TRAINING_FLOWS.values()]
     deployments = [
@@ -106,3 +114,32 @@ def serve(root: str | Path = ".", limit: int = 1) -> None:
         for f in flows
     ]
     prefect_serve(*deployments, limit=limit)
+
+
+def wait_for_server(timeout: float = 120.0) -> None:
+    """Wait until the Prefect API at ``PREFECT_API_URL`` answers (a server started with
+    ``--background`` takes 10-20 s); without one configured, Prefect starts its own."""
+    import time
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL
+
+    from features.config import UserError
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{api.rstrip('/')}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"no Prefect server answers at {api} after {timeout:.0f} s; start one "
+                "(prefect server start --background) or unset PREFECT_API_URL"
+            )
+        time.sleep(1)

@@ -232,7 +232,12 @@ def extract_distributed(job: ExtractJob, shards_per_task: int = 1) -> dict:
 def dask_task_runner(workers: int = 2, address: str | None = None):
     """Prefect's Dask task runner on the cluster at ``address``, or on a LocalCluster of
     ``workers`` single-threaded processes that lives as long as the flow run."""
-    from prefect_dask import DaskTaskRunner
+    from features.config import require_extra
+
+    require_extra("distributed", "dask", "extraction over a Dask cluster")
+    DaskTaskRunner = require_extra(
+        "prefect_dask", "dask", "extraction over a Dask cluster"
+    ).DaskTaskRunner
 
     if address:
         return DaskTaskRunner(address=address)

@@ -2,20 +2,39 @@
 
 DVC stays the single source of truth: each task runs ``dvc repro --single-item <stage>``
 in the repository, so ``dvc.lock`` and the cache are shared with plain ``dvc repro`` (a
-stage done by either is skipped by the other). Prefect adds retries, logs, run history
-and, later, deployments. Parameter overrides run as one DVC experiment
-(``dvc exp run -S key=value``), so every overridden run is recorded and reproducible.
+stage done by either is skipped by the other). A stage that ``dvc status`` finds up to date
+is skipped without running. Its output reaches the Prefect run's logs line by line while
+it runs. Prefect adds retries, logs, run history and deployments.
+
+Parameter overrides run as a DVC experiment: in a temporary git worktree of the repository
+(its uncommitted changes copied in, the DVC cache shared), params.yaml gets the overrides,
+the stages run there one task each as above (unchanged upstream stages come back from the
+run cache), and ``dvc exp save`` records the result as a named experiment of the
+repository (``dvc exp show``). The workspace's params.yaml, dvc.lock and outputs are never
+touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import re
+import shutil
 import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
+from features.config import UserError
+
 FEATURE_STAGES = ("regions", "grid", "global", "text", "scenegraph", "sbert_stats", "adversarial")
+PROGRESS = re.compile(r"\d+%\|")  # a tqdm progress bar update
+PROGRESS_EVERY = 10.0  # seconds between the progress lines sent to the logs
 
 
 def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:
@@ -25,52 +44,161 @@ def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it needs
-        order = [s.name for s in reversed(list(nx.topological_sort(graph)))]
+        order = [s.addressing for s in reversed(list(nx.topological_sort(graph)))]
         if targets is None:
             return order
-        known = {s.name: s for s in graph.nodes}
+        known = {s.addressing: s for s in graph.nodes}
         unknown = [t for t in targets if t not in known]
         if unknown:
             raise ValueError(f"unknown DVC stage(s) {unknown}; dvc.yaml has {sorted(known)}")
         wanted = set(targets)
         for t in targets:
-            wanted |= {s.name for s in nx.descendants(graph, known[t])}
+            wanted |= {s.addressing for s in nx.descendants(graph, known[t])}
     return [s for s in order if s in wanted]
 
 
 def _dvc(args: list[str], root: str | Path, what: str, env: dict | None = None) -> str:
-    """Run a dvc command, log its output, fail with its error (never swallowed)."""
+    """Run a dvc command, stream its output into the run's logs line by line (progress
+    bars every few seconds), fail with its last lines (never swallowed)."""
     logger = get_run_logger()
-    result = subprocess.run(
-        ["dvc", *args], cwd=root, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        ["dvc", *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        bufsize=0,
     )
-    for line in (result.stdout + result.stderr).splitlines():
-        if line.strip() and "it/s]" not in line and "/s]" not in line:
+    lines: list[str] = []
+    last_progress = 0.0
+    pending = ""
+    for chunk in iter(lambda: proc.stdout.read(4096), b""):
+        pending += chunk.decode("utf-8", errors="replace")
+        *complete, pending = re.split(r"[\r\n]", pending)
+        for line in complete:
+            if not line.strip():
+                continue
+            if PROGRESS.search(line):  # progress bars redraw many times a second
+                if time.monotonic() - last_progress < PROGRESS_EVERY:
+                    continue
+                last_progress = time.monotonic()
+            else:
+                lines.append(line)
             logger.info("%s | %s", what, line)
+    if pending.strip():
+        lines.append(pending)
+        logger.info("%s | %s", what, pending)
+    if proc.wait():
+        tail = "\n".join(lines[-15:])
+        raise RuntimeError(f"{what} failed (dvc {' '.join(args)}, exit {proc.returncode}):\n{tail}")
+    return "\n".join(lines)
+
+
+def up_to_date(stage: str, root: str | Path) -> bool:
+    """Whether DVC would skip ``stage`` (deps, params and outs as dvc.lock records them),
+    from ``dvc status --json``."""
+    result = subprocess.run(
+        ["dvc", "status", "--json", stage], cwd=root, capture_output=True, text=True
+    )
     if result.returncode:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(
-            f"{what} failed (dvc {' '.join(args)}, exit {result.returncode}):\n{tail}"
-        )
-    return result.stdout
+        raise RuntimeError(f"dvc status {stage} failed: {result.stderr.strip()[-2000:]}")
+    return not json.loads(result.stdout or "{}")
 
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
 def run_stage(stage: str, root: str, env: dict | None = None) -> str:
-    """One DVC stage; DVC skips it when its deps, params and outs are unchanged. ``env``
-    adds environment variables for the stage's command (e.g. its Dask cluster)."""
-    out = _dvc(["repro", "--single-item", stage], root, stage, env)
-    return "skipped" if "didn't change, skipping" in out else "ran"
+    """One DVC stage: "skipped" when up to date, else "ran" (run, or its outputs restored
+    from the run cache). ``env`` adds environment variables for the stage's command (e.g.
+    its Dask cluster)."""
+    if up_to_date(stage, root):
+        get_run_logger().info("%s: up to date, skipped", stage)
+        return "skipped"
+    _dvc(["repro", "--single-item", stage], root, stage, env)
+    return "ran"
 
 
-@task(task_run_name="experiment")
-def run_experiment(targets: list[str], overrides: dict, root: str, env: dict | None = None) -> str:
-    """All ``targets`` as one DVC experiment with params overridden (``-S key=value``)."""
-    sets = [arg for key, value in overrides.items() for arg in ("-S", f"{key}={value}")]
-    return _dvc(["exp", "run", *sets, *targets], root, "experiment", env)
+def apply_overrides(params: Path, overrides: dict) -> None:
+    """Set dotted keys (``models.mvvse.lambda_``) of ``params`` to JSON values (numbers,
+    strings, null, lists), keeping its comments and layout; the result is validated as a
+    whole, so a wrong key or value fails before any stage runs."""
+    from ruamel.yaml import YAML
+
+    from flows.params import load_params
+
+    yaml = YAML()
+    yaml.representer.add_representer(
+        type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null")
+    )
+    data = yaml.load(params.read_text(encoding="utf-8")) or {}
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    with params.open("w", encoding="utf-8") as f:
+        yaml.dump(data, f)
+    load_params(params)
+
+
+@contextlib.contextmanager
+def experiment_workspace(root: str | Path, overrides: dict) -> Iterator[Path]:
+    """A temporary git worktree of ``root`` at HEAD with the workspace's uncommitted changes
+    (what ``git status`` lists, ignored files aside), the DVC cache of ``root`` and the
+    overrides in params.yaml; removed afterwards."""
+    root = Path(root).resolve()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode:
+        raise UserError(
+            f"{root}: overrides run as a DVC experiment, which needs a git commit; commit "
+            "the repository first (git add -A && git commit)"
+        )
+    work = Path(tempfile.mkdtemp(prefix="vse-experiment-"))
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", "-q", str(work), "HEAD"], cwd=root, check=True
+    )
+    try:
+        files = subprocess.run(
+            ["git", "ls-files", "--modified", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        for rel in files:
+            if (root / rel).is_file():
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, work / rel)
+        cache = subprocess.run(
+            ["dvc", "cache", "dir"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        subprocess.run(["dvc", "cache", "dir", "--local", cache], cwd=work, check=True)
+        apply_overrides(work / "params.yaml", overrides)
+        yield work
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(work)], cwd=root)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def experiment_name(flow_name: str, overrides: dict) -> str:
+    """``<flow>-<digest of the overrides>``: the same overrides name the same experiment
+    (a rerun replaces it), different ones never collide."""
+    digest = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
+    return f"{flow_name}-{digest[:8]}"
+
+
+@task(task_run_name="save experiment")
+def save_experiment(work: str, stages: list[str], name: str, overrides: dict) -> str:
+    """Record the experiment workspace's results as experiment ``name`` (``dvc exp save``,
+    caching the outputs of ``stages``)."""
+    message = "vse flow: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+    _dvc(["exp", "save", "--force", "-n", name, "-m", message, *stages], work, "experiment")
+    get_run_logger().info("experiment %s: %s (see `dvc exp show`)", name, message)
+    return name
 
 
 def _run(
+    name: str,
     targets: list[str] | None,
     root: str,
     overrides: dict | None,
@@ -78,18 +206,26 @@ def _run(
     push: bool,
     remote: str | None,
     env: dict | None = None,
+    collect: Callable[[Path, str | None], object] | None = None,
 ) -> dict[str, str]:
+    """The stages of ``targets`` (all when None) and their upstream, one task each; with
+    ``overrides``, as an experiment. ``collect(workspace, experiment)`` runs before the
+    experiment's workspace goes (e.g. to read its metrics)."""
     remote_args = ["-r", remote] if remote else []
     if pull:
         _dvc(["pull", *remote_args, "--allow-missing"], root, "pull")
     stages = dag_order(root, targets)
-    if overrides:
-        run_experiment(stages if targets else [], overrides, root, env)
-        states = {s: "experiment" for s in stages}
-    else:
-        states = {}
-        for stage in stages:  # in DAG order: each waits for the one before
-            states[stage] = run_stage(stage, root, env)
+    with (
+        experiment_workspace(root, overrides) if overrides else contextlib.nullcontext(root)
+    ) as work:
+        states = {stage: run_stage(stage, str(work), env) for stage in stages}  # in DAG order
+        experiment = None
+        if overrides:
+            experiment = save_experiment(
+                str(work), stages, experiment_name(name, overrides), overrides
+            )
+        if collect is not None:
+            collect(Path(work), experiment)
     if push:
         _dvc(["push", "--run-cache", *remote_args], root, "push")
     get_run_logger().info("stages: %s", states)
@@ -119,7 +255,7 @@ def features_flow(
         env["VSE_DASK_WORKERS"] = str(dask_workers)
     if dask_address:
         env["VSE_DASK_ADDRESS"] = dask_address
-    return _run(targets, root, overrides, pull, push, remote, env)
+    return _run("features", targets, root, overrides, pull, push, remote, env)
 
 
 @flow(name="pipeline")
@@ -131,4 +267,4 @@ def pipeline_flow(
     remote: str | None = None,
 ) -> dict[str, str]:
     """The whole DAG."""
-    return _run(None, root, overrides, pull, push, remote)
+    return _run("pipeline", None, root, overrides, pull, push, remote)

@@ -28,3 +28,35 @@ def test_params_command_prints_effective_config(repo_root):
         ["vse", "params"], capture_output=True, text=True, cwd=repo_root, check=True
     )
     assert "max_error_fraction: 0.01" in result.stdout
+
+
+def test_exp_show_keeps_the_params_that_differ_and_the_rsums():
+    from flows.commands.experiments import table
+
+    def row(name, margin, rsum):
+        return {
+            "rev": name,
+            "name": name,
+            "data": {
+                "params": {
+                    "params.yaml": {
+                        "data": {"models": {"vsepp": {"margin": margin}}, "train": {"lr": 0.001}}
+                    }
+                },
+                "metrics": {"metrics/evaluate/vsepp.json": {"data": {"full": {"rsum": rsum}}}},
+            },
+        }
+
+    shown = [
+        row("workspace", 0.2, 300.0),
+        {
+            **row("main", 0.2, 300.0),
+            "experiments": [
+                {"revs": [{**row("abc1234", 0.3, 310.5), "name": "train-vsepp-1a2b3c4d"}]}
+            ],
+        },
+    ]
+    lines = table(shown).splitlines()
+    assert lines[0].split() == ["experiment", "models.vsepp.margin", "vsepp", "rsum"]
+    assert lines[-1].split() == ["train-vsepp-1a2b3c4d", "0.3", "310.5"]
+    assert all(len(line) < 80 for line in lines)  # train.lr is the same everywhere: left out

@@ -86,3 +86,19 @@ def test_cli_fails_before_any_work(tmp_path, capsys):
     assert code == 2
     assert "demo.n_trian: unknown key, did you mean n_train" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_missing_extra_is_named(monkeypatch):
+    """Optional features say which extra installs them (sys.modules None: not installed)."""
+    import sys
+
+    from features.config import UserError, require_extra
+
+    monkeypatch.setitem(sys.modules, "prefect_dask", None)
+    with pytest.raises(UserError, match=r"extraction over Dask needs the \[dask\] extra: pip"):
+        require_extra("prefect_dask", "dask", "extraction over Dask")
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    from features.store import Store
+
+    with pytest.raises(UserError, match=r"reading s3://b/r.zarr needs the \[s3\] extra"):
+        Store.open("s3://b/r.zarr")

@@ -130,3 +130,13 @@ def test_features_and_models_never_import_flows():
     for package in ("features", "models"):
         for name, edges in _import_graph(package).items():
             assert not [e for e in edges if e.startswith("flows")], name
+
+
+def test_the_readme_shows_the_current_dag():
+    import subprocess
+
+    mermaid = subprocess.run(
+        ["dvc", "dag", "--mermaid"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    readme = (REPO / "README.md").read_text()
+    assert f"```mermaid\n{mermaid}\n```" in readme, "README: paste the output of dvc dag --mermaid"

@@ -50,6 +50,7 @@ GROUPS = {
     "shards": "WebDataset training shards",
     "store": "list, inspect, verify, import and export feature stores",
     "prefect": "Prefect deployments of the flows",
+    "exp": "DVC experiments (runs with overridden params)",
 }
 
 

@@ -10,8 +10,12 @@ from models.registry import MODEL_NAMES
 FLOWS = ("features", "pipeline", *(f"train-{name}" for name in MODEL_NAMES))
 
 
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    """``-S key=value`` items -> {key: value}; a malformed one is a one-line error."""
+def parse_overrides(items: list[str]) -> dict:
+    """``-S key=value`` items -> {key: value}. A value is read as JSON when it is JSON
+    (``0.5``, ``null``, ``true``, ``[8, 12]``, ``"a,b"``), else taken as a string
+    (``bert-base-uncased``); a malformed item is a one-line error."""
+    import json
+
     from features.config import UserError
 
     overrides = {}
@@ -19,7 +23,10 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"-S {item!r}: expected KEY=VALUE, e.g. -S models.mvvse.lambda_=0.5")
-        overrides[key.strip()] = value
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
     return overrides
 
 
@@ -35,7 +42,8 @@ def flow_arguments(p) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a params.yaml key for this run (a DVC experiment)",
+        help="override a params.yaml key for this run, which becomes a DVC experiment "
+        "(VALUE is JSON, else a string: -S train.lr=0.0005 -S grid.weights=null)",
     )
     p.add_argument("--pull", action="store_true", help="dvc pull before running")
     p.add_argument("--push", action="store_true", help="dvc push --run-cache after running")
