@@ -44,16 +44,16 @@ def dag_order(root: str | Path, targets: list[str] | None = None) -> list[str]:
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it needs
-        order = [s.addressing for s in reversed(list(nx.topological_sort(graph)))]
+        order = [s.name for s in reversed(list(nx.topological_sort(graph)))]
         if targets is None:
             return order
-        known = {s.addressing: s for s in graph.nodes}
+        known = {s.name: s for s in graph.nodes}
         unknown = [t for t in targets if t not in known]
         if unknown:
             raise ValueError(f"unknown DVC stage(s) {unknown}; dvc.yaml has {sorted(known)}")
         wanted = set(targets)
         for t in targets:
-            wanted |= {s.addressing for s in nx.descendants(graph, known[t])}
+            wanted |= {s.name for s in nx.descendants(graph, known[t])}
     return [s for s in order if s in wanted]
 
 
