@@ -15,14 +15,52 @@ Cao, Nie, Tian; ACM MM 2020; ``../shared/papers/camera.txt``).
 - Score: the best view's cosine (eq. 19). Loss: the hardest-negative (MH) triplet loss
   (eq. 20) plus ``lambda`` times the diversity regularisation (eq. 21-22).
 
-Reductions: both terms are summed over the batch. The triplet sum is VSE++'s (the paper's
-base code); the diversity term ``||S^T S - I||_F^2`` is computed per image and summed too,
-so that eq. 22 (``L_R + lambda L_D`` per pair) holds for every pair of the batch and the
-weight ``lambda = 0.01`` does not shrink with the batch size.
+Reductions: both terms are summed over the batch, as in the official code (below). The
+triplet sum is VSE++'s; the diversity term ``||S^T S - I||_F^2`` is computed per image and
+summed too, so that eq. 22 (``L_R + lambda L_D`` per pair) holds for every pair of the batch
+and the weight ``lambda = 0.01`` does not shrink with the batch size.
 
 Padding: padded regions and tokens are masked as attention keys, zeroed before the
 convolutions (so they act as the convolutions' zero padding), excluded from the softmax
 over regions (eq. 13), from the diversity term (zero rows of S) and from the text mean.
+
+Paper vs official code. Read: ``LgQu/CAMERA`` ``model.py`` (``EncoderImagePrecompSelfAttn``,
+``CAMERA.train_emb``), ``models/TextEncoder.py``, ``data.py``, ``train.py``, ``evaluation.py``.
+Its ``models/`` package (AGSA, position encoder, summarization) and ``loss.py`` are not in the
+stored copy: AGSA was read in the fork ``LuminosityX/CAMERA`` (``models/AGSA.py``), whose
+``model.py`` is the official one plus comments and commented-out copies of
+``absoluteEncode``, ``PositionEncoder``, ``Summarization`` and ``MultiViewMatching``;
+``loss.py`` in a copy found by content search (repository not named). Where they differ
+this file follows the paper:
+
+- Q/K/V projections. Paper eq. 3: ``X W_i`` (no bias). Official ``GatedQueryAttLayer``:
+  ``nn.Linear(embed_size, embed_size)``, with biases. Ours: no bias.
+- AGSA output. Paper eq. 7: ``Concat(h_1..h_H) + X``. Official ``AGSA.forward``:
+  ``rgn_emb + dropout(BatchNorm(attention))``, and the residual is the region embedding
+  before the position gate (``x = rgn_emb * pos_emb`` enters the attention only), where
+  eq. 11 adds ``V * P~``. Ours: eq. 7 and 11, no BatchNorm.
+- Region normalisation. Official ``EncoderImagePrecompSelfAttn.forward`` L2-normalises each
+  region after the FC (eq. 8) and again after AGSA (eq. 11); the paper has neither. Ours:
+  only the N views (eq. 14) and the sentence (eq. 18) are normalised.
+- Region FC initialisation (the paper is silent). Official ``init_weights``: Xavier-uniform,
+  zero bias. Ours: PyTorch's default.
+- Box code (eq. 9). Paper and official ``absoluteEncode``: ``w_i / h_i`` in pixels. Ours:
+  the ratio of the normalised box, which differs by the image's h/w (see ``box_code``).
+- Text MLP (eq. 17). Official ``TextEncoder.forward``: ``fc2(dropout(relu(fc1(t))))``, then
+  a BatchNorm, then the residual. Ours: eq. 17, no BatchNorm.
+- Padding. Official: no masks; 36 regions per image; captions cut to ``--max_words 32``
+  WordPieces with [CLS] and [SEP] (``data.py``, ``convert_to_feature``); the text AGSA is
+  called without a mask and the mean runs over all 32 positions, padding included. Ours:
+  padding masked (eq. 18 averages the L tokens), captions not cut.
+- Same as the official code: the gate maps shared by the heads (official ``fc_g``, one
+  ``d_k -> 2 d_k`` layer split into M^Q and M^K, is our two maps of eq. 5); a ReLU after
+  each dilated convolution (official ``Summarization``; eq. 12 writes none); dropout off
+  (``--drop`` 0.0); frozen BERT (``freeze_layers``); the views' max as the score
+  (``MultiViewMatching``); both loss terms summed over the batch.
+- Training (paper 4.2, official ``train.py`` and README): Adam, lr 1e-4, x0.1 every 10
+  epochs over 30 (Flickr30K) or every 20 over 40 (COCO), batch 128, gradient norm clipped
+  at 2. The official ``validate`` selects on R@1 + R@5 of both directions (not R@10) and
+  also runs every 500 steps. Ours: the shared ``train`` section, rsum once per epoch.
 """
 
 from __future__ import annotations
@@ -78,8 +116,9 @@ def box_code(boxes: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
     ``(x/w, y/h, w_i/w, h_i/h, w_i/h_i, w_i h_i / (w h))``.
 
     The batch holds boxes already divided by the image size, so the aspect ratio is that of
-    the normalised box (the pixel ratio times h/w of the image); the height is clamped at
-    ``eps`` so that degenerate boxes give a large but finite ratio.
+    the normalised box (the pixel ratio times h/w of the image), not the pixel ratio of the
+    paper and of the official ``absoluteEncode``; the height is clamped at ``eps`` so that
+    degenerate boxes give a large but finite ratio.
     """
     x1, y1, x2, y2 = boxes.unbind(-1)  # (B, R) each
     w = (x2 - x1).clamp_min(0)
@@ -128,8 +167,9 @@ class Summarization(nn.Module):
     """Multi-view summarization logits (eq. 12-13 before the softmax): the pyramid dilated
     convolutions of Table 1 over the region sequence, concatenated, then ``W_s s_i + b_s``.
 
-    A ReLU follows each convolution (eq. 12 writes none; a convolution layer without one
-    would make eq. 12-13 a single linear map of the regions).
+    A ReLU follows each convolution, as in the official ``Summarization`` (eq. 12 writes
+    none; a convolution layer without one would make eq. 12-13 a single linear map of the
+    regions).
     """
 
     def __init__(self, dim: int, views: int, kernels, dilations, channels):

@@ -75,7 +75,8 @@ def hinge_triplet(scores: torch.Tensor, margin: float, max_violation: bool) -> t
     """VSE++ ranking loss: MH (eq. 6) with ``max_violation``, else SH (eq. 5).
 
     ``scores (B, B)`` holds s(i, c) for image i and caption c, positives on the diagonal.
-    Summed over the batch, as in the paper's reference code: each positive pair adds
+    Summed over the batch, as in the official code (``fartashf/vsepp``, ``model.py``,
+    ``ContrastiveLoss.forward``; the paper's eq. 4 writes a mean): each positive pair adds
     ``[margin - s(i,c) + s(i,c')]_+`` over negative captions c' and
     ``[margin - s(i,c) + s(i',c)]_+`` over negative images i' (or only the hardest of each).
     """
@@ -93,8 +94,11 @@ def hinge_triplet(scores: torch.Tensor, margin: float, max_violation: bool) -> t
 class GRUText(nn.Module):
     """Word ids -> embedding -> (Bi)GRU -> the hidden state at each caption's last word.
 
-    Used by VSE++ (one direction: mu(c) of eq. 2) and MV-VSE's BiGRU (directions
-    averaged, as in GPO's reference code; ``pool=False`` returns the per-word states).
+    Used by VSE++ (one direction: mu(c) of eq. 2) and MV-VSE's BiGRU (``pool=False``
+    returns the per-word states). The BiGRU averages its two directions, as SCAN's
+    ``EncoderText`` does (``kuanghuei/SCAN``, ``model.py``); the stored files of GPO's code
+    (``woodfrog/vse_infty``) hold only its BERT text encoder, so its BiGRU was not checked.
+    Word embeddings start U(-0.1, 0.1), as in VSE++'s and SCAN's ``EncoderText``.
     """
 
     def __init__(

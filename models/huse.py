@@ -26,6 +26,22 @@ m = 0.5, about the smallest cosine distance between Sentence-BERT (all-MiniLM-L6
 embeddings of distinct class names (demo shapes: 0.44..0.83, median 0.59; ten Food-101
 names: 0.46..0.86, median 0.70), so that the graph is matched exactly within a class and
 for the closest class pairs, and the other class pairs are held at least m apart.
+
+Paper vs official code: no official code was found (the only public implementation seen,
+``AnkushMalaker/HUSE``, is not the authors'). Other places where ours is not the paper's
+setting, or the paper leaves the choice open:
+
+- Text input. Sec. 4.1.1 feeds the text tower BERT ++ TF-IDF; ``use_tfidf`` is off by
+  default here (the document feature alone). Set ``use_tfidf: true`` for the paper's input.
+- Image input. The paper uses 64-d Graph-RISE embeddings; ours the pipeline's global CNN
+  feature.
+- Training (sec. 4.1.3): RMSProp, lr 1.6192e-5, momentum 0.9, batches of 1024, 250,000
+  steps. Ours: the shared ``train`` section (AdamW, step decay, gradient clipping, which the
+  paper does not mention).
+- Fused classification (sec. 4.5): the two softmaxes by "simple weighted averaging", the
+  weights not given. Ours (``models.evaluate.classification_metrics``): equal weights.
+- Tower depth: "5 hidden layers of 512" is read as 5 FC layers of 512, the last one the
+  linear, normalised embedding (so D = 512).
 """
 
 from __future__ import annotations

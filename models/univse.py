@@ -34,6 +34,18 @@ over all objects / attributes / relations of the batch for eq. 3 and ``l_rel``).
 Multi-word phrases (the batch gives phrase ids; the paper keeps single words): an object or
 attribute phrase's basic and modifier embeddings are the means over its words; a multi-word
 predicate enters psi one phi(word) per step, between the subject and the object.
+
+Paper vs official code: no official code was found (the public ``salanueva/UniVSE`` is a
+third-party reimplementation that, by its README, does not train as intended). The paper
+defers model details to its supplement, which is not in ``../shared/papers``. Choices the
+paper leaves open:
+
+- The margin delta of eq. 1 and 3 (0.2, VSE++'s) and d_modif (300) are not stated.
+- "A global spatial pooling operator" for v: ours the average. The paper's ResNet-152 is
+  fixed (sec. 3.5); ours reads its precomputed grid features.
+- The relevance map M of eq. 2 is not detached: the gradient flows through the weights.
+- Phi, the aggregation of u_comp: ours the sum (see above).
+- Training (sec. 3.5): Adam, lr 1e-3. Ours: the shared ``train`` section.
 """
 
 from __future__ import annotations
