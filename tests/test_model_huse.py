@@ -49,7 +49,7 @@ def _cos_dist(u: list[float], v: list[float]) -> float:
 def test_config_defaults_are_the_papers_and_strict():
     cfg = HUSEConfig()
     assert (cfg.image_layers, cfg.text_layers, cfg.hidden, cfg.dropout) == (5, 2, 512, 0.15)
-    assert cfg.shared_classifier and not cfg.use_tfidf
+    assert cfg.shared_classifier and cfg.use_tfidf  # BERT ++ TF-IDF (sec. 4.1.1)
     with pytest.raises(ValidationError):
         HUSEConfig(hiden=64)
     with pytest.raises(ValidationError):
@@ -58,7 +58,7 @@ def test_config_defaults_are_the_papers_and_strict():
 
 def test_shapes_inputs_and_buffer():
     info = _info()
-    model = HUSE(HUSEConfig(**SMALL), info).eval()
+    model = HUSE(HUSEConfig(**SMALL, use_tfidf=False), info).eval()
     batch = _batch(info)
     img, txt = model.encode_image(batch), model.encode_text(batch)
     assert img.shape == (6, 64) and txt.shape == (6, 64)
@@ -70,7 +70,7 @@ def test_shapes_inputs_and_buffer():
     # A travels with checkpoints
     state = model.state_dict()
     assert torch.allclose(state["class_distances"], torch.tensor(info.class_distances))
-    fresh = HUSE(HUSEConfig(**SMALL), _info(seed=5))
+    fresh = HUSE(HUSEConfig(**SMALL, use_tfidf=False), _info(seed=5))
     fresh.load_state_dict(state)
     assert torch.allclose(fresh.class_distances, torch.tensor(info.class_distances))
     # 5 image layers -> 5 Linear modules, 2 text layers -> 2
@@ -87,7 +87,7 @@ def test_tfidf_input_is_used_only_when_enabled():
     assert "tfidf" in on.inputs and HUSE.inputs_for(on.cfg) == on.inputs
     assert on.text_tower[0].in_features == info.document_dim + info.tfidf_dim
     assert not torch.allclose(on.encode_text(batch), on.encode_text(other))
-    off = HUSE(HUSEConfig(**SMALL), info).eval()
+    off = HUSE(HUSEConfig(**SMALL, use_tfidf=False), info).eval()
     assert "tfidf" not in off.inputs
     assert torch.equal(off.encode_text(batch), off.encode_text(other))
     with pytest.raises(ValueError, match="tfidf"):
