@@ -121,9 +121,40 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: list[Path], out: Path, plot: Path) -> str:
-    """Stage ``report``: the markdown comparison of every model's evaluation and the bar
-    plot; returns the table."""
+def plot_training(histories: dict[str, list[dict]], path: Path) -> None:
+    """Training curves of every model in one figure: the loss (each model's own scale, so
+    divided by its first epoch's) and the validation rsum, per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, rsum_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, rows in histories.items():
+        epochs = [r["epoch"] + 1 for r in rows]
+        first = rows[0]["loss"] or 1.0
+        loss_ax.plot(epochs, [r["loss"] / first for r in rows], marker=".", label=name)
+        rsum_ax.plot(epochs, [r.get("val_rsum", math.nan) for r in rows], marker=".", label=name)
+    loss_ax.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss")
+    rsum_ax.set(xlabel="epoch", ylabel="rsum (max 600)", title="validation rsum")
+    rsum_ax.legend(fontsize=8)
+    for ax in (loss_ax, rsum_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def write_report(
+    results: list[Path],
+    out: Path,
+    plot: Path,
+    histories: list[Path] | None = None,
+    curves: Path | None = None,
+) -> str:
+    """Stage ``report``: the markdown comparison of every model's evaluation, the bar plot
+    and (with ``histories``, the per-epoch rows of ``vse train --plots``) the training
+    curves of all models in one PNG; returns the table."""
     import json
 
     from features.config import UserError
@@ -139,8 +170,17 @@ def write_report(results: list[Path], out: Path, plot: Path) -> str:
     if len(splits) > 1:
         raise UserError(f"results come from different splits ({sorted(splits)}): not comparable")
     table = markdown_table(by_model)
-    image = os.path.relpath(plot, out.parent)  # the link works beside the markdown
-    write_text(out, "# Model comparison\n\n" + table + f"\n![rsum per model]({image})\n")
+    images = f"\n![rsum per model]({os.path.relpath(plot, out.parent)})\n"
     with atomic_path(plot) as tmp:
         plot_rsum(by_model, tmp)
+    if histories and curves:
+        rows = {}
+        for path in histories:
+            if not path.exists():
+                raise UserError(f"{path}: no training history; run `vse train` first")
+            rows[path.stem] = json.loads(path.read_text())
+        with atomic_path(curves) as tmp:
+            plot_training(rows, tmp)
+        images += f"\n![training curves]({os.path.relpath(curves, out.parent)})\n"
+    write_text(out, "# Model comparison\n\n" + table + images)
     return table

@@ -11,13 +11,27 @@ def report_arguments(p) -> None:
     path_in(p, "results", nargs="+", help="evaluation JSON files (vse evaluate --out)")
     path_out(p, "--out", help="markdown report to write")
     path_out(p, "--plot", help="PNG bar plot to write")
+    path_in(
+        p, "--histories", nargs="+", help="per-epoch JSON rows of each model (vse train --plots)"
+    )
+    path_out(p, "--curves", required=False, help="PNG of every model's training curves")
 
 
 def run_report(args, params) -> int:
     from models.report import write_report
 
-    print(write_report([Path(r) for r in args.results], Path(args.out), Path(args.plot)))
-    print(f"report -> {args.out}, {args.plot}")
+    histories = [Path(h) for h in args.histories or []]
+    if histories and not args.curves:
+        from features.config import UserError
+
+        raise UserError("--histories needs --curves PNG, where the training curves go")
+    curves = Path(args.curves) if args.curves else None
+    print(
+        write_report(
+            [Path(r) for r in args.results], Path(args.out), Path(args.plot), histories, curves
+        )
+    )
+    print(f"report -> {args.out}, {args.plot}" + (f", {curves}" if curves else ""))
     return 0
 
 
