@@ -246,6 +246,13 @@ class CAMERA(nn.Module):
     def similarity(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         return multiview_sim(img, txt)  # (n_img, n_txt), eq. 19
 
+    def view_attention(self, batch: dict) -> torch.Tensor:
+        """``(B, N, R)``: each view's weights over the regions (S-bar of eq. 13, the softmax
+        that eq. 14 sums the regions with; 0 at padded regions)."""
+        _, logits, mask = self._image(batch)  # (B, R, N), (B, R)
+        weights = logits.masked_fill(~mask[..., None], float("-inf")).softmax(dim=1)
+        return weights.transpose(1, 2).nan_to_num(0.0)  # (B, N, R)
+
     def loss(self, batch: dict) -> dict:
         """Eq. 20-22, each term summed over the batch."""
         img, logits, mask = self._image(batch)

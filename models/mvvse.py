@@ -291,6 +291,15 @@ class MVVSE(nn.Module):
     def similarity(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         return multiview_sim(img, txt)  # (n_img, n_txt): s* of eq. 6
 
+    def view_attention(self, batch: dict) -> torch.Tensor:
+        """``(B, K, R)``: the cosine similarity of each region's feature with each view's
+        embedding, what MV-VSE's Fig. 5 draws (0 at padded regions)."""
+        lengths = batch["region_lengths"]
+        feats = self.regions(batch["regions"], lengths)  # (B, R, D)
+        views = l2norm(torch.stack([gpo(feats, lengths) for gpo in self.views], 1))  # (B, K, D)
+        attention = views @ l2norm(feats).transpose(1, 2)  # (B, K, R)
+        return attention * lengths_mask(lengths, feats.size(1))[:, None, :]
+
     def loss(self, batch: dict) -> dict:
         img, txt = self.encode_image(batch), self.encode_text(batch)  # (B, K, D), (B, D)
         scores = torch.einsum("ivd,td->itv", img, txt)  # (B, B, K): s(v_k, t), eq. 5
