@@ -3,7 +3,8 @@
 - reader: DataLoader workers decode each image (:func:`features.images.load_image`) and
   run the extractor's ``prepare`` (resize, normalise), overlapped with inference;
 - mapper: the extractor, batched, on the device;
-- writer: the feature store, one shard at a time; a bad image gets an empty record
+- writer: the feature store, one shard at a time; a bad image, or one whose features hold
+  NaN or infinite values (as stored: float16 overflows count), gets an empty record
   (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
 
 Only pending shards are read: a rerun after a crash continues where the last committed
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from features.finite import NON_FINITE, nonfinite_fields
 from features.images import BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
@@ -183,7 +185,13 @@ def extract_images(
             tick = time.perf_counter()
             results = extractor(good) if good else []
             timing.infer += time.perf_counter() - tick
+            dtypes = {name: spec.dtype for name, spec in fields.items()}
             for item, result in zip(good, results, strict=True):
+                bad = nonfinite_fields(result, dtypes)
+                if bad:  # stored empty and reported, like a bad image
+                    fields_list = ", ".join(bad)
+                    item["error"] = (NON_FINITE, f"{fields_list}: NaN or infinite values")
+                    continue
                 done[item["index"]] = {**result, "valid": np.uint8(1)}
             for item in batch:
                 if item["error"] is not None:
