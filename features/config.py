@@ -1,22 +1,28 @@
 """Typed, strict config sections and readable validation errors.
 
-Every section of ``params.yaml`` is a :class:`Section`: unknown keys and wrong types are
-rejected, and :func:`format_errors` turns pydantic's report into one line per problem that
-names the full key path (``models.mvvse.lamda: unknown key, did you mean lambda_``).
+Every section of ``params.yaml`` is a :class:`Section`: unknown keys, wrong types and
+non-finite floats (``.inf``, ``.nan``) are rejected, and :func:`format_errors` turns
+pydantic's report into one line per problem that names the full key path
+(``models.mvvse.lamda: unknown key, did you mean lambda_``).
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# A random seed: numpy's generators want one that is not negative, 32 bits is everyone's.
+Seed = Annotated[int, Field(ge=0, lt=2**32)]
 
 
 class Section(BaseModel):
-    """Base of every config section: frozen, no extra keys, no silent type coercion."""
+    """Base of every config section: frozen, no extra keys, no silent type coercion, floats
+    finite. Every number has the bounds that make sense (``tests/test_config.py`` checks
+    that each one has a lower bound and refuses values outside its bounds)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class UserError(RuntimeError):

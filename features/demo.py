@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from features.config import Section
+from features.config import Section, Seed
 
 SHAPES = ("circle", "square", "triangle", "star", "hexagon", "diamond")
 COLORS = {
@@ -78,7 +78,7 @@ VERBS = {"sit": ("sits", "sitting"), "lie": ("lies", "lying"), "float": ("floats
 class DemoConfig(Section):
     """``demo`` section of params.yaml: the synthetic dataset's size and content."""
 
-    seed: int = 0
+    seed: Seed = 0
     n_train: int = Field(600, ge=1)
     n_val: int = Field(100, ge=1)
     n_test: int = Field(100, ge=1)
@@ -86,6 +86,14 @@ class DemoConfig(Section):
     captions_per_image: int = Field(5, ge=1)
     min_objects: int = Field(2, ge=2, le=4)
     max_objects: int = Field(4, ge=2, le=4)
+
+    @model_validator(mode="after")
+    def _objects(self) -> DemoConfig:
+        if self.min_objects > self.max_objects:
+            raise ValueError(
+                f"min_objects ({self.min_objects}) > max_objects ({self.max_objects})"
+            )
+        return self
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from features.config import Section, UserError
+from features.config import Section, Seed, UserError
 
 MANIFEST_SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -63,7 +63,7 @@ class PrepareConfig(Section):
     captions_per_image: int = Field(5, ge=1)
     restval: Literal["train", "keep"] = "train"
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    seed: int = 0
+    seed: Seed = 0
     max_error_fraction: float = Field(0.01, ge=0.0, le=1.0)
 
 

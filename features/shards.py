@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import Field
 
 from features.config import Section
 from features.ingest import SPLITS, Manifest
@@ -42,7 +43,7 @@ SIZES = "sizes.json"
 class ShardsConfig(Section):
     """``shards`` section of params.yaml."""
 
-    samples_per_shard: int = 1000
+    samples_per_shard: int = Field(1000, ge=1)
 
 
 BLOCK = 256  # manifest rows read from the stores at a time
