@@ -27,6 +27,7 @@ from features.ingest import (
     IngestError,
     Manifest,
     Record,
+    check_key,
     manifest_digest,
     read_manifest,
     write_manifest,
@@ -102,6 +103,9 @@ def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], 
         if len(ids) != len(ims):
             raise IngestError(f"{ids_path}: {len(ids)} ids for {len(ims)} images")
         keys = [str(i) for i in ids]
+        for key in keys:
+            if problem := check_key(key):
+                raise IngestError(f"{ids_path}: {problem}")
         if len(set(keys)) != len(keys):
             twice = next(k for k in keys if keys.count(k) > 1)
             raise IngestError(f"{ids_path}: id {twice!r} occurs more than once")
