@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from features.finite import NON_FINITE, nonfinite_fields
-from features.images import BadImage, load_image
+from features.images import MAX_ASPECT_RATIO, BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
 from features.visual import EXTRACTOR_VERSION, weights_digest
@@ -52,10 +52,17 @@ class ImageItems(Dataset):
     """Manifest rows -> prepared items, or the reason an image could not be used."""
 
     def __init__(
-        self, rows: list[dict], indices: list[int], images_root: Path, prepare, max_pixels: int
+        self,
+        rows: list[dict],
+        indices: list[int],
+        images_root: Path,
+        prepare,
+        max_pixels: int,
+        max_aspect_ratio: float = MAX_ASPECT_RATIO,
     ):
         self.rows, self.indices = rows, indices
         self.images_root, self.prepare, self.max_pixels = images_root, prepare, max_pixels
+        self.max_aspect_ratio = max_aspect_ratio
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -63,7 +70,9 @@ class ImageItems(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
         try:
-            image = load_image(self.images_root / row["path"], self.max_pixels)
+            image = load_image(
+                self.images_root / row["path"], self.max_pixels, self.max_aspect_ratio
+            )
             item = self.prepare(image, row)
             item["error"] = None
         except BadImage as err:
@@ -161,7 +170,13 @@ def extract_images(
         order = [i for shard in pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(
             ImageItems(
-                [rows[i] for i in order], order, images_root, extractor.prepare, cfg.max_pixels
+                [rows[i] for i in order],
+                order,
+                images_root,
+                extractor.prepare,
+                cfg.max_pixels,
+                # a field of the stage's params once ExtractConfig has it
+                getattr(cfg, "max_aspect_ratio", MAX_ASPECT_RATIO),
             ),
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
