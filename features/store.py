@@ -68,7 +68,7 @@ from pydantic import Field as PydanticField
 from pydantic import model_validator
 
 from features.config import Section, UserError
-from features.files import replace_dir
+from features.files import replace_dir, sweep_stale
 
 SCHEMA_VERSION = 1
 COMMITS = "_commits"
@@ -281,7 +281,7 @@ class StoreWriter:
         self._acquire_lock()
         for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
             partial.unlink()
-        _sweep_replaced(self.target)
+        sweep_stale(self.target)  # what a killed move into place left
         # no shard writer can hold a lock while we hold .lock exclusively
         shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
         existing = self._existing_attrs()
@@ -1070,20 +1070,6 @@ def _store_files(path: Path) -> Iterator[tuple[str, Path]]:
             rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or rel.endswith(".partial")
         ):
             yield rel, file
-
-
-def _sweep_replaced(target: Path) -> None:
-    """Remove the old copies of ``target`` that a killed :func:`replace_dir` left
-    (``.<name>.old-<pid>`` of a process that is gone)."""
-    for old in target.parent.glob(f".{target.name}.old-*"):
-        try:
-            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
-            continue  # its process still runs
-        except ProcessLookupError:
-            pass
-        except (ValueError, PermissionError):
-            continue
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 def _commit_markers(url: str, storage_options, n_shards: int | None, problems: list) -> list:
