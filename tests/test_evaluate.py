@@ -1,5 +1,8 @@
 """Evaluation refuses non-finite embeddings and similarities, naming the item."""
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from model_data import TinyPairs
@@ -45,3 +48,49 @@ def test_a_model_with_infinite_weights_is_refused(data):
         next(model.parameters()).fill_(float("inf"))
     with pytest.raises(NonFiniteError, match="NaN or infinite"):
         evaluate_model(model, data, CFG, torch.device("cpu"))
+
+
+def not_checkpoints(tmp_path, data):
+    """Files that are not checkpoints, each in its own way."""
+    import pickle
+
+    state = model_for(data).state_dict()
+    good = {"model": "vsepp", "config": {"embed_size": 16, "word_dim": 8}, "state_dict": state}
+    good["info"] = data.info.to_dict() if hasattr(data.info, "to_dict") else vars(data.info)
+    files = {
+        "random.pt": lambda p: p.write_bytes(np.random.default_rng(0).bytes(300)),
+        "empty.pt": lambda p: p.write_bytes(b""),
+        "text.pt": lambda p: p.write_text("not a checkpoint\n"),
+        "list.pt": lambda p: torch.save([1, 2, 3], p),
+        "missing.pt": lambda p: torch.save({"model": "vsepp"}, p),
+        "unknown.pt": lambda p: torch.save({**good, "model": "nope"}, p),
+        "config.pt": lambda p: torch.save({**good, "config": {"embed_size": -1}}, p),
+        "weights.pt": lambda p: torch.save({**good, "state_dict": {"x": torch.zeros(1)}}, p),
+        "info.pt": lambda p: torch.save({**good, "info": {"bogus": 1}}, p),
+        "pickle.pt": lambda p: p.write_bytes(pickle.dumps(Path("/"))),
+        "truncated.pt": lambda p: (torch.save(good, p), p.write_bytes(p.read_bytes()[:200])),
+        "folder.pt": lambda p: p.mkdir(),
+    }
+    for name, make in files.items():
+        make(tmp_path / name)
+    return [tmp_path / name for name in files], good
+
+
+def test_files_that_are_not_checkpoints_are_one_line_errors(tmp_path, data, repo_root, capsys):
+    from flows.cli import main
+    from models.train import TrainingError, load_checkpoint
+
+    paths, good = not_checkpoints(tmp_path, data)
+    torch.save(good, tmp_path / "good.pt")
+    model, _ = load_checkpoint(tmp_path / "good.pt")  # the reference loads
+    for path in paths:
+        with pytest.raises(TrainingError) as err:
+            load_checkpoint(path)
+        message = str(err.value)
+        assert message.startswith(f"{path}: ") and "\n" not in message, message
+    argv = ["--params", str(repo_root / "params.yaml"), "evaluate", "vsepp", "--checkpoint"]
+    rest = ["--manifest", str(tmp_path / "m.parquet"), "--out", str(tmp_path / "o.json")]
+    assert main([*argv, str(tmp_path / "random.pt"), *rest]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'random.pt'}: ") and err.count("\n") == 1
+    assert not (tmp_path / "o.json").exists()
