@@ -49,21 +49,28 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return names
 
 
+def _key(part: Any) -> str:
+    """A key of a key path as written, quoted when it would not read as one (empty,
+    spaces, line breaks)."""
+    text = str(part)
+    return text if text and text.isprintable() and text.strip() == text else repr(part)
+
+
 def format_errors(error: ValidationError, model: type[BaseModel], source: str) -> str:
     """One line per problem: ``<source>: <key.path>: <what is wrong>``."""
     lines = []
     for item in error.errors():
         loc = tuple(item["loc"])
-        path = ".".join(str(part) for part in loc) or "<root>"
+        path = ".".join(_key(part) for part in loc) or "<root>"
         if item["type"] == "extra_forbidden":
             known = _known_keys(model, loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
             message = "unknown key" + (f", did you mean {hint[0]}" if hint else "")
             if known and not hint:
-                message += f" (known keys: {', '.join(sorted(known))})"
+                message += f" (known keys: {', '.join(sorted(set(known)))})"
         elif item["type"] == "missing":
             message = "missing key"
         else:
-            message = f"{item['msg']} (got {item.get('input')!r})"
+            message = f"{' '.join(str(item['msg']).split())} (got {item.get('input')!r:.200})"
         lines.append(f"{source}: {path}: {message}")
     return "\n".join(lines)
