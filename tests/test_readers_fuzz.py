@@ -28,6 +28,7 @@ SETTINGS = settings(
     max_examples=40,
     deadline=None,
     derandomize=True,
+    database=None,  # no .hypothesis folder in the repository
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 LAYOUT = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
