@@ -28,3 +28,18 @@ def test_params_command_prints_effective_config(repo_root):
         ["vse", "params"], capture_output=True, text=True, cwd=repo_root, check=True
     )
     assert "max_error_fraction: 0.01" in result.stdout
+
+
+def test_file_system_errors_are_one_line(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "a-file").write_text("x")
+    args = ["--annotations", str(tmp_path / "none.json"), "--images", str(tmp_path)]
+    out = ["--out", str(tmp_path / "a-file" / "m.parquet"), "--errors", str(tmp_path / "e.csv")]
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n  format: karpathy\n")
+    (tmp_path / "none.json").write_text('{"images": []}')
+    code = main(["--params", str(params), "prepare", *args, *out, "--metrics", str(tmp_path / "j")])
+    err = [line for line in capsys.readouterr().err.splitlines() if "record/s" not in line]
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err  # no traceback
+    assert "a-file: File exists" in err[0] or "a-file: Not a directory" in err[0]
