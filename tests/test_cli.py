@@ -40,6 +40,6 @@ def test_file_system_errors_are_one_line(tmp_path, capsys):
     params.write_text("prepare:\n  format: karpathy\n")
     (tmp_path / "none.json").write_text('{"images": []}')
     code = main(["--params", str(params), "prepare", *args, *out, "--metrics", str(tmp_path / "j")])
-    err = [line for line in capsys.readouterr().err.splitlines() if "record/s" not in line]
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "record/s" not in x]
     assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err  # no traceback
     assert "a-file: File exists" in err[0] or "a-file: Not a directory" in err[0]
