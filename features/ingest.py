@@ -575,12 +575,22 @@ def read_manifest(path: Path) -> Manifest:
     raw = (table.schema.metadata or {}).get(b"vse")
     if raw is None:
         raise IngestError(f"{path}: not a vse manifest (no 'vse' metadata); run `vse prepare`")
-    meta = json.loads(raw)
-    if meta.get("schema_version") != MANIFEST_SCHEMA_VERSION:
+    try:
+        meta = json.loads(raw)
+        version = meta.get("schema_version")
+    except (ValueError, AttributeError):
+        raise IngestError(f"{path}: damaged manifest metadata; rerun `vse prepare`") from None
+    if version != MANIFEST_SCHEMA_VERSION:
         raise IngestError(
-            f"{path}: manifest schema version {meta.get('schema_version')}, this code reads "
+            f"{path}: manifest schema version {version}, this code reads "
             f"{MANIFEST_SCHEMA_VERSION}; rerun `vse prepare` (dvc repro prepare)"
         )
+    missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
+    missing += [
+        k for k in ("dataset", "class_names", "captions_per_image", "digest") if k not in meta
+    ]
+    if missing:
+        raise IngestError(f"{path}: damaged manifest (no {missing}); rerun `vse prepare`")
     return Manifest(
         table, meta["dataset"], meta["class_names"], meta["captions_per_image"], meta["digest"]
     )

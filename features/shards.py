@@ -189,9 +189,14 @@ def _sample(row: dict, features: dict, extra: dict | None = None) -> dict:
 def read_sizes(shard_dir: str | Path) -> dict[str, int]:
     path = Path(shard_dir) / SIZES
     try:
-        return json.loads(path.read_text())
+        sizes = json.loads(path.read_text())
     except FileNotFoundError:
         raise StoreError(f"{path}: missing; build the shards with `vse shards build`") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise StoreError(f"{path}: damaged ({err}); rebuild with `vse shards build`") from None
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
+        raise StoreError(f"{path}: not shard sizes; rebuild with `vse shards build`")
+    return sizes
 
 
 # --------------------------------------------------------------------------- streaming
