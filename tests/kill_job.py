@@ -28,7 +28,7 @@ import sys
 import time
 
 
-def preload(modules: list[str]) -> None:
+def preload(modules: list[str], params: bool) -> None:
     """What the command imports, before any fork (importing starts no thread)."""
     import importlib
 
@@ -38,6 +38,10 @@ def preload(modules: list[str]) -> None:
         matplotlib.use("Agg")
     for name in ["flows.cli", *modules]:
         importlib.import_module(name)
+    if params:  # every section's model (imports torch, for the models'): built once
+        from flows.params import params_model
+
+        params_model()
 
 
 def child(argv: list[str], kill_at, kill_open, count_file: str | None) -> None:
@@ -101,7 +105,7 @@ def run(argv, kill_at=None, kill_after=None, count_file=None, kill_open=None) ->
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     base = spec["base"]
-    preload(spec.get("preload", []))
+    preload(spec.get("preload", []), "--params" in spec["argv"])
 
     def argv_for(name):
         folder = os.path.join(base, name)

@@ -390,9 +390,9 @@ def test_two_prepare_runs_on_one_output_do_not_collide(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text("prepare:\n  format: demo\n")
     runs = [
-        subprocess.Popen([args[0], "--params", str(params), *args[1:]], env=env) for _ in range(3)
+        subprocess.Popen([args[0], "--params", str(params), *args[1:]], env=env) for _ in range(2)
     ]
-    assert [p.wait() for p in runs] == [0, 0, 0]
+    assert [p.wait() for p in runs] == [0, 0]
     assert read_manifest(out / "manifest.parquet").table.num_rows == 40
     assert sorted(p.name for p in out.iterdir()) == [
         "errors.csv",
