@@ -162,9 +162,7 @@ FIELDS = list(numeric_fields(params_model()))
     ],
     ids=[f[0] for f in FIELDS],
 )
-def test_every_numeric_field_is_bounded_and_rejects_values_outside(
-    path, kind_of, bounds, in_list
-):
+def test_every_numeric_field_is_bounded_and_rejects_values_outside(path, kind_of, bounds, in_list):
     assert "ge" in bounds or "gt" in bounds, f"{path}: no lower bound"
     model = params_model()
     for value in outside(kind_of, bounds):
