@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from features.config import Section
+from features.config import Section, Seed
 
 ATTACKS = ("object", "attribute", "relation")
 
@@ -35,7 +35,7 @@ class AdversarialConfig(Section):
 
     per_caption: int = Field(5, ge=1)  # fake captions per real caption and attack (paper: 5)
     splits: list[str] = ["val", "test"]
-    seed: int = 0
+    seed: Seed = 0
     max_tries: int = Field(50, ge=1)
 
 

@@ -1,22 +1,28 @@
 """Typed, strict config sections and readable validation errors.
 
-Every section of ``params.yaml`` is a :class:`Section`: unknown keys and wrong types are
-rejected, and :func:`format_errors` turns pydantic's report into one line per problem that
-names the full key path (``models.mvvse.lamda: unknown key, did you mean lambda_``).
+Every section of ``params.yaml`` is a :class:`Section`: unknown keys, wrong types and
+non-finite floats (``.inf``, ``.nan``) are rejected, and :func:`format_errors` turns
+pydantic's report into one line per problem that names the full key path
+(``models.mvvse.lamda: unknown key, did you mean lambda_``).
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# A random seed: numpy's generators want one that is not negative, 32 bits is everyone's.
+Seed = Annotated[int, Field(ge=0, lt=2**32)]
 
 
 class Section(BaseModel):
-    """Base of every config section: frozen, no extra keys, no silent type coercion."""
+    """Base of every config section: frozen, no extra keys, no silent type coercion, floats
+    finite. Every number has the bounds that make sense (``tests/test_config.py`` checks
+    that each one has a lower bound and refuses values outside its bounds)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class UserError(RuntimeError):
@@ -57,21 +63,28 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return names
 
 
+def _key(part: Any) -> str:
+    """A key of a key path as written, quoted when it would not read as one (empty,
+    spaces, line breaks)."""
+    text = str(part)
+    return text if text and text.isprintable() and text.strip() == text else repr(part)
+
+
 def format_errors(error: ValidationError, model: type[BaseModel], source: str) -> str:
     """One line per problem: ``<source>: <key.path>: <what is wrong>``."""
     lines = []
     for item in error.errors():
         loc = tuple(item["loc"])
-        path = ".".join(str(part) for part in loc) or "<root>"
+        path = ".".join(_key(part) for part in loc) or "<root>"
         if item["type"] == "extra_forbidden":
             known = _known_keys(model, loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
             message = "unknown key" + (f", did you mean {hint[0]}" if hint else "")
             if known and not hint:
-                message += f" (known keys: {', '.join(sorted(known))})"
+                message += f" (known keys: {', '.join(sorted(set(known)))})"
         elif item["type"] == "missing":
             message = "missing key"
         else:
-            message = f"{item['msg']} (got {item.get('input')!r})"
+            message = f"{' '.join(str(item['msg']).split())} (got {item.get('input')!r:.200})"
         lines.append(f"{source}: {path}: {message}")
     return "\n".join(lines)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from features.config import Section
+from features.config import Section, Seed
 
 SHAPES = ("circle", "square", "triangle", "star", "hexagon", "diamond")
 COLORS = {
@@ -78,7 +78,7 @@ VERBS = {"sit": ("sits", "sitting"), "lie": ("lies", "lying"), "float": ("floats
 class DemoConfig(Section):
     """``demo`` section of params.yaml: the synthetic dataset's size and content."""
 
-    seed: int = 0
+    seed: Seed = 0
     n_train: int = Field(600, ge=1)
     n_val: int = Field(100, ge=1)
     n_test: int = Field(100, ge=1)
@@ -86,6 +86,12 @@ class DemoConfig(Section):
     captions_per_image: int = Field(5, ge=1)
     min_objects: int = Field(2, ge=2, le=4)
     max_objects: int = Field(4, ge=2, le=4)
+
+    @model_validator(mode="after")
+    def _objects(self) -> DemoConfig:
+        if self.min_objects > self.max_objects:
+            raise ValueError(f"min_objects ({self.min_objects}) > max_objects ({self.max_objects})")
+        return self
 
 
 @dataclass(frozen=True)
@@ -531,8 +537,24 @@ def iter_items(cfg: DemoConfig) -> Iterator[tuple[str, int]]:
 def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
     """Write ``images/*.png`` and ``dataset.json`` under ``out_dir``; returns the dataset dict.
 
-    ``progress`` wraps the item iterator (e.g. ``tqdm``) to show images/s.
+    The folder is built aside and moved into place whole, so ``out_dir`` is never a
+    partial dataset. ``progress`` wraps the item iterator (e.g. ``tqdm``) to show images/s.
     """
+    from features.files import atomic_path
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / "dataset.json").is_file() and any(out_dir.iterdir()):
+        from features.config import UserError
+
+        raise UserError(
+            f"{out_dir} exists and is not a demo dataset (no dataset.json); remove it or "
+            "choose another --out"
+        )
+    with atomic_path(out_dir, directory=True) as tmp:
+        return _build_dataset(cfg, tmp, progress)
+
+
+def _build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
     images_dir = out_dir / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
     items = list(iter_items(cfg))

@@ -3,7 +3,8 @@
 - reader: DataLoader workers decode each image (:func:`features.images.load_image`) and
   run the extractor's ``prepare`` (resize, normalise), overlapped with inference;
 - mapper: the extractor, batched, on the device;
-- writer: the feature store, one shard at a time; a bad image gets an empty record
+- writer: the feature store, one shard at a time; a bad image, or one whose features hold
+  NaN or infinite values (as stored: float16 overflows count), gets an empty record
   (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
 
 Only pending shards are read: a rerun after a crash continues where the last committed
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from features.images import BadImage, load_image
+from features.finite import NON_FINITE, nonfinite_fields
+from features.images import MAX_ASPECT_RATIO, BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
 from features.visual import EXTRACTOR_VERSION, weights_digest
@@ -50,10 +52,17 @@ class ImageItems(Dataset):
     """Manifest rows -> prepared items, or the reason an image could not be used."""
 
     def __init__(
-        self, rows: list[dict], indices: list[int], images_root: Path, prepare, max_pixels: int
+        self,
+        rows: list[dict],
+        indices: list[int],
+        images_root: Path,
+        prepare,
+        max_pixels: int,
+        max_aspect_ratio: float = MAX_ASPECT_RATIO,
     ):
         self.rows, self.indices = rows, indices
         self.images_root, self.prepare, self.max_pixels = images_root, prepare, max_pixels
+        self.max_aspect_ratio = max_aspect_ratio
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -61,7 +70,9 @@ class ImageItems(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
         try:
-            image = load_image(self.images_root / row["path"], self.max_pixels)
+            image = load_image(
+                self.images_root / row["path"], self.max_pixels, self.max_aspect_ratio
+            )
             item = self.prepare(image, row)
             item["error"] = None
         except BadImage as err:
@@ -159,7 +170,13 @@ def extract_images(
         order = [i for shard in pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(
             ImageItems(
-                [rows[i] for i in order], order, images_root, extractor.prepare, cfg.max_pixels
+                [rows[i] for i in order],
+                order,
+                images_root,
+                extractor.prepare,
+                cfg.max_pixels,
+                # a field of the stage's params once ExtractConfig has it
+                getattr(cfg, "max_aspect_ratio", MAX_ASPECT_RATIO),
             ),
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
@@ -183,7 +200,13 @@ def extract_images(
             tick = time.perf_counter()
             results = extractor(good) if good else []
             timing.infer += time.perf_counter() - tick
+            dtypes = {name: spec.dtype for name, spec in fields.items()}
             for item, result in zip(good, results, strict=True):
+                bad = nonfinite_fields(result, dtypes)
+                if bad:  # stored empty and reported, like a bad image
+                    fields_list = ", ".join(bad)
+                    item["error"] = (NON_FINITE, f"{fields_list}: NaN or infinite values")
+                    continue
                 done[item["index"]] = {**result, "valid": np.uint8(1)}
             for item in batch:
                 if item["error"] is not None:

@@ -2,13 +2,16 @@
 
 Every file or folder a stage produces is written aside under a unique temporary name in
 the same folder, then moved into place with one ``os.replace`` (atomic on POSIX within a
-file system). A killed writer leaves only its temporary file, never a truncated output;
-a hardlinked DVC cache object is never opened for writing in place.
+file system). A killed writer leaves only its temporary file, never a truncated output,
+and the next write of that path removes it (temporary names hold the writer's pid: those
+of processes that are gone are swept); a hardlinked DVC cache object is never opened for
+writing in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -25,10 +28,12 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
     existing ``path`` folder is replaced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(path)
+    prefix = f".{path.name}.{os.getpid()}."  # unique: pid and a random part
     if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent))
     else:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
         os.close(fd)
         tmp = Path(name)
     try:
@@ -46,9 +51,43 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
         raise
 
 
+def _gone(pid: str) -> bool:
+    """Whether process ``pid`` (a string from a file name) no longer runs."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError, OverflowError):
+        return False
+    return False
+
+
+def sweep_stale(path: str | Path) -> None:
+    """Remove what killed writers of ``path`` left beside it: temporary files or folders
+    (``.<name>.<pid>.<random>.tmp``) and old copies a killed :func:`replace_dir` moved
+    aside (``.<name>.old-<pid>``), of processes that are gone."""
+    path = Path(path)
+    stale = [
+        p
+        for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp")
+        if _gone(p.name[len(path.name) + 2 :].split(".", 1)[0])
+    ]
+    stale += [
+        p
+        for p in path.parent.glob(f".{glob.escape(path.name)}.old-*")
+        if _gone(p.name.rsplit("-", 1)[1])
+    ]
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def replace_dir(src: Path, dst: Path) -> None:
     """Move folder ``src`` onto ``dst``: an old ``dst`` is moved aside first and deleted
     after, so ``dst`` is at every moment either the old folder, absent, or the new one."""
+    sweep_stale(dst)
     old = None
     if dst.exists() or dst.is_symlink():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")

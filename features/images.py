@@ -10,17 +10,27 @@ Conversions (documented in the README):
   range (``value / 257`` for 16-bit), not clipped; float (F) images by their min..max.
 
 Refused with a reason (``BadImage``): an empty file, a file that is not an image, a
-truncated or corrupt file, and an image of more than ``max_pixels`` pixels (checked from
-the header, before decoding, so a decompression bomb costs nothing).
+truncated or corrupt file, an image of more than ``max_pixels`` pixels and one whose
+longer side is more than ``max_aspect_ratio`` times its shorter side (both checked from
+the header, before decoding, so a decompression bomb or a 1 x 10000 sliver costs
+nothing).
+
+Memory per image is bounded by ``max_pixels`` (decoding; a JPEG can also be decoded at a
+reduced scale, ``reduce_to``) and by the output size (:func:`centre_crop_resize` crops
+in source coordinates before resizing, so a sliver is never blown up whole).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb limit
+MAX_ASPECT_RATIO = 20.0  # longer side / shorter side; panoramas stay well below
 
 
 class BadImage(Exception):
@@ -59,8 +69,18 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(path: str | Path, max_pixels: int = 89_478_485) -> Image.Image:
-    """Open, check and decode ``path`` into an upright RGB image, or raise ``BadImage``."""
+def load_image(
+    path: str | Path,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect_ratio: float = MAX_ASPECT_RATIO,
+    reduce_to: int | None = None,
+) -> Image.Image:
+    """Open, check and decode ``path`` into an upright RGB image, or raise ``BadImage``.
+
+    With ``reduce_to``, a JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) that keeps
+    its shorter side at least ``reduce_to`` pixels: decoding costs memory in proportion to
+    the output, not to the file (other formats decode whole, bounded by ``max_pixels``).
+    """
     path = Path(path)
     try:
         if path.stat().st_size == 0:
@@ -85,10 +105,36 @@ def load_image(path: str | Path, max_pixels: int = 89_478_485) -> Image.Image:
                     f"{path} is {width}x{height} = {width * height} pixels, over "
                     f"{max_pixels} (a decompression bomb?)",
                 )
+            if max(width, height) > max_aspect_ratio * min(width, height):
+                raise BadImage(
+                    "extreme_aspect_ratio",
+                    f"{path} is {width}x{height}, more than {max_aspect_ratio:g} times longer "
+                    "than wide (raise the stage's max_aspect_ratio to keep such images)",
+                )
             try:
+                if reduce_to and image.format == "JPEG" and min(width, height) > reduce_to:
+                    scale = reduce_to / min(width, height)
+                    image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
                 image.load()
                 image = ImageOps.exif_transpose(image)
                 return to_rgb(image)
             except (OSError, SyntaxError, ValueError) as err:
                 # Pillow reports truncated or corrupt data on load
                 raise BadImage("corrupt", f"{path}: {err}") from None
+
+
+def centre_crop_resize(image: Image.Image, size: int) -> Image.Image:
+    """The centre ``size`` x ``size`` square of ``image`` resized so that its shorter side
+    is ``size`` (bilinear), as resize-then-crop gives it, but cropped first: the cost is
+    bounded by the output whatever the aspect ratio (resizing a 1 x 10000 image to a 224
+    shorter side first is 224 x 2.24M pixels, ~1.5 GB).
+
+    The crop box is the resized crop mapped back to source coordinates (fractional), so
+    the pixels match resizing the whole image and cropping, to within rounding."""
+    w, h = image.size
+    scale = size / min(w, h)
+    rw, rh = max(round(w * scale), size), max(round(h * scale), size)
+    left, top = (rw - size) // 2, (rh - size) // 2
+    sx, sy = w / rw, h / rh
+    box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+    return image.resize((size, size), Image.BILINEAR, box=box)

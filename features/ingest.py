@@ -13,14 +13,20 @@ Readers turn each supported layout into :class:`Record` s:
 
 :func:`validate` checks every record and never aborts: problems go to an error list
 (key, reason, detail) with counts, and :func:`error_fraction` lets the entry point fail
-the run when too many records were bad.
+the run when too many records were bad. Optional fields (``label``, ``boxes``,
+``box_names``) that are malformed drop their record as an error, never a crash; an image
+path must stay inside the images root once symlinks are resolved (or lead into DVC's
+cache), unless ``prepare.allow_symlinks_outside`` says otherwise.
 """
 
 from __future__ import annotations
 
+import configparser
 import csv
+import functools
 import hashlib
 import json
+import math
 import os
 import posixpath
 from collections import Counter
@@ -34,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from features.config import Section, UserError
+from features.config import Section, Seed, UserError
 
 MANIFEST_SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -46,11 +52,15 @@ ERRORS = (
     "missing_image",
     "unreadable_path",
     "path_escapes_root",
+    "symlink_escapes_root",
     "duplicate_key",
     "unknown_split",
     "empty_caption",
     "non_utf8_text",
     "no_captions",
+    "bad_label",
+    "bad_boxes",
+    "bad_box_names",
 )
 # ... and reasons that are only reported: the record is kept as it is.
 WARNINGS = ("caption_count",)
@@ -63,8 +73,10 @@ class PrepareConfig(Section):
     captions_per_image: int = Field(5, ge=1)
     restval: Literal["train", "keep"] = "train"
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    seed: int = 0
+    seed: Seed = 0
     max_error_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    # image paths that resolve (through symlinks) outside the images root and DVC's cache
+    allow_symlinks_outside: bool = False
 
 
 class IngestError(UserError):
@@ -157,6 +169,15 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
             f"{annotations}: no top-level 'images' list; expected the Karpathy split JSON "
             "layout of dataset_flickr30k.json / dataset_coco.json"
         )
+    class_names = data.get("class_names")
+    if class_names is not None and not (
+        isinstance(class_names, list)
+        and all(isinstance(c, str) and _is_utf8(c) for c in class_names)
+    ):
+        raise IngestError(
+            f"{annotations}: 'class_names' must be a list of strings, got "
+            f"{type(class_names).__name__}; fix or remove it"
+        )
     records = []
     for i, image in enumerate(data["images"]):
         filename = image.get("filename") if isinstance(image, dict) else None
@@ -167,13 +188,17 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
         if not isinstance(sentences, list) or not all(isinstance(s, dict) for s in sentences):
             records.append(Record(Path(filename).stem, filename, "", problem="bad 'sentences'"))
             continue
+        filepath = image.get("filepath") or ""
+        if not isinstance(filepath, str):
+            records.append(Record(Path(filename).stem, filename, "", problem="bad 'filepath'"))
+            continue
         split = str(image.get("split", ""))
         if split == "restval" and cfg.restval == "train":
             split = "train"
         records.append(
             Record(
                 key=Path(filename).stem,
-                path=posixpath.join(image.get("filepath") or "", filename),
+                path=posixpath.join(filepath, filename),
                 split=split,
                 captions=[s.get("raw", "") for s in sentences],
                 label=image.get("label"),
@@ -181,7 +206,8 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
                 box_names=image.get("box_names"),
             )
         )
-    return Dataset(str(data.get("dataset", "karpathy")), records, data.get("class_names"))
+    name = str(data.get("dataset", "karpathy"))
+    return Dataset(name if _is_utf8(name) else "karpathy", records, class_names)
 
 
 def _held_out(key: str, fraction: float, seed: int) -> bool:
@@ -204,8 +230,25 @@ def read_food101(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Da
                 "or test*.csv"
             )
         split_dir = (images_root / split).is_dir()
-        with open(csv_file, encoding="utf-8", errors="surrogateescape", newline="") as f:
-            for line_no, row in enumerate(csv.reader(f), start=1):
+        try:
+            rows += _food101_rows(csv_file, split, split_dir, cfg)
+        except OSError as err:
+            raise IngestError(f"{csv_file}: cannot read ({err.strerror or err})") from None
+    class_names = sorted({r.label for r in rows if r.problem is None})
+    for r in rows:
+        if r.problem is None:
+            r.label = class_names.index(r.label)
+    return Dataset("food101", rows, class_names)
+
+
+def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfig) -> list:
+    """The records of one Food-101 texts CSV (``image name, text, class``)."""
+    rows = []
+    with open(csv_file, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            for row in reader:
+                line_no = reader.line_num
                 if line_no == 1 and row and row[0].strip().lower() in ("image name", "image_name"):
                     continue  # header
                 if len(row) < 3:
@@ -213,18 +256,22 @@ def read_food101(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Da
                     rows.append(Record(key, "", split, problem="expected 3 columns"))
                     continue
                 name, text, label = row[0].strip(), row[1], row[2].strip()
-                path = posixpath.join(split if split_dir else "", label, name)
                 key = Path(name).stem
+                if not (_is_utf8(name) and _is_utf8(label)) or not label:
+                    problem = f"line {line_no}: image name or class is empty or not UTF-8"
+                    rows.append(Record(f"<{csv_file.name}:{line_no}>", "", split, problem=problem))
+                    continue
+                path = posixpath.join(split if split_dir else "", label, name)
                 if split == "train" and _held_out(key, cfg.val_fraction, cfg.seed):
                     split_of_row = "val"
                 else:
                     split_of_row = split
                 rows.append(Record(key, path, split_of_row, [text], label=label))
-    class_names = sorted({r.label for r in rows if r.problem is None})
-    for r in rows:
-        if r.problem is None:
-            r.label = class_names.index(r.label)
-    return Dataset("food101", rows, class_names)
+        except csv.Error as err:
+            raise IngestError(
+                f"{csv_file}:{reader.line_num}: not readable as CSV ({err})"
+            ) from None
+    return rows
 
 
 READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
@@ -237,14 +284,44 @@ READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
 # --------------------------------------------------------------------------- validation
 
 
-def check_path(images_root: Path, path: str) -> tuple[str, str | None, str]:
+def _dvc_caches(images_root: Path) -> list[Path]:
+    """The DVC cache of the repository holding ``images_root`` (``.dvc/cache``, or the
+    ``cache.dir`` its config names), where DVC may check images out as symlinks."""
+    for folder in [images_root.absolute(), *images_root.absolute().parents]:
+        dvc = folder / ".dvc"
+        if dvc.is_dir():
+            caches = [dvc / "cache"]
+            for name in ("config", "config.local"):
+                parser = configparser.ConfigParser()
+                try:
+                    parser.read_string(
+                        "\n".join(line.strip() for line in (dvc / name).read_text().splitlines())
+                    )
+                except (OSError, configparser.Error, UnicodeDecodeError):
+                    continue
+                if parser.has_option("cache", "dir"):
+                    caches.append(dvc / parser.get("cache", "dir"))  # relative to .dvc/
+            return caches
+    return []
+
+
+@functools.cache
+def _allowed_roots(images_root: Path) -> tuple[Path, ...]:
+    """Where an image may resolve to: inside the images root or DVC's cache."""
+    return tuple(p.resolve() for p in [images_root, *_dvc_caches(images_root)])
+
+
+def check_path(
+    images_root: Path, path: str, allow_symlinks_outside: bool = False
+) -> tuple[str, str | None, str]:
     """Normalise ``path`` and check the file; returns ``(path, reason or None, detail)``.
 
-    The escape check is lexical on purpose: images may be symlinks (a DVC cache in symlink
-    mode, a shared dataset folder) that resolve outside the root legitimately.
+    The path must stay inside the root lexically (no ``..``, not absolute), and, unless
+    ``allow_symlinks_outside``, once symlinks are resolved: inside the images root or the
+    repository's DVC cache (DVC in symlink mode checks images out as links into it).
     """
-    if not path or "\x00" in path:
-        return path, "unreadable_path", "empty path or NUL byte in path"
+    if not path or "\x00" in path or not _is_utf8(path):
+        return path, "unreadable_path", "empty path, NUL byte in path or not valid UTF-8"
     normalised = posixpath.normpath(path.replace("\\", "/"))
     if posixpath.isabs(normalised) or normalised == ".." or normalised.startswith("../"):
         return path, "path_escapes_root", f"{path!r} is outside the images root"
@@ -258,7 +335,77 @@ def check_path(images_root: Path, path: str) -> tuple[str, str | None, str]:
         return normalised, "unreadable_path", f"{full}: {err.strerror or err}"
     if not os.access(full, os.R_OK):
         return normalised, "unreadable_path", f"{full}: permission denied"
+    if not allow_symlinks_outside:
+        resolved = full.resolve()
+        roots = _allowed_roots(images_root)
+        if not any(resolved.is_relative_to(root) for root in roots):
+            return (
+                normalised,
+                "symlink_escapes_root",
+                f"{full} resolves to {resolved}, outside the images root {roots[0]} and DVC's "
+                "cache; set prepare.allow_symlinks_outside: true if that is intended",
+            )
     return normalised, None, ""
+
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234e38
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_label(label, class_names: list[str] | None) -> str | None:
+    """What is wrong with an optional class label, or None: an int indexing the classes."""
+    if label is None:
+        return None
+    if not isinstance(label, int) or isinstance(label, bool):
+        return f"label {label!r} is {type(label).__name__}, not a class index"
+    limit = len(class_names) if class_names is not None else INT32_MAX + 1
+    if not 0 <= label < limit:
+        return f"label {label} is outside 0..{limit - 1}" + (
+            f" ({len(class_names)} class_names)" if class_names is not None else ""
+        )
+    return None
+
+
+def check_boxes(boxes) -> str | None:
+    """What is wrong with optional boxes, or None: a list of ``[x1, y1, x2, y2]`` finite
+    float32 numbers with ``x1 <= x2`` and ``y1 <= y2``."""
+    if boxes is None:
+        return None
+    if not isinstance(boxes, list):
+        return f"boxes is {type(boxes).__name__}, not a list of [x1, y1, x2, y2]"
+    for i, box in enumerate(boxes):
+        if not isinstance(box, list) or len(box) != 4 or not all(map(_is_number, box)):
+            return f"box {i} is {str(box)[:60]}, not [x1, y1, x2, y2] numbers"
+        if not all(math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in box):
+            return f"box {i} {box} has a value that is not a finite float32"
+        if box[0] > box[2] or box[1] > box[3]:
+            return f"box {i} {box} has x1 > x2 or y1 > y2"
+    return None
+
+
+def check_box_names(names, boxes) -> str | None:
+    """What is wrong with optional box names, or None: one string per box."""
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) and _is_utf8(n) for n in names):
+        return f"box_names is {str(names)[:60]!r}, not a list of (UTF-8) strings"
+    if not isinstance(boxes, list) or len(names) != len(boxes):
+        count = len(boxes) if isinstance(boxes, list) else "no"
+        return f"{len(names)} box_names for {count} boxes"
+    return None
+
+
+def check_key(key) -> str | None:
+    """What is wrong with an image key, or None: caption keys are ``<key>#<i>``."""
+    if not isinstance(key, str) or not key.strip() or not _is_utf8(key):
+        return "empty image key (file name), or not valid UTF-8"
+    if "#" in key or any(c in key for c in "\n\r\t\x00"):
+        return f"image key {key!r} holds '#' or a control character (caption keys are key#i)"
+    return None
 
 
 def _is_utf8(text: str) -> bool:
@@ -274,6 +421,7 @@ def validate(
     images_root: Path,
     captions_per_image: int,
     progress: Callable[[Iterable], Iterable] | None = None,
+    allow_symlinks_outside: bool = False,
 ) -> tuple[list[Record], Report]:
     """Keep the good records, drop bad captions and records, and report everything."""
     report = Report(records_read=len(dataset.records))
@@ -282,14 +430,15 @@ def validate(
     records = progress(dataset.records) if progress else dataset.records
     for record in records:
         key = record.key
-        if record.problem:
-            report.error(key, "malformed_record", record.problem)
+        problem = record.problem or check_key(key)
+        if problem:
+            report.error(str(key), "malformed_record", problem)
             continue
         if key in seen:
             report.error(key, "duplicate_key", f"{record.path} has the same key as {seen[key]}")
             continue
         seen[key] = record.path
-        record.path, reason, detail = check_path(images_root, record.path)
+        record.path, reason, detail = check_path(images_root, record.path, allow_symlinks_outside)
         if reason:
             report.error(key, reason, detail)
         if record.split not in KARPATHY_SPLITS:
@@ -314,8 +463,18 @@ def validate(
                 captions.append(caption.strip())
         if not captions:
             report.error(key, "no_captions", "no usable caption left")
+        fields = [
+            ("bad_label", check_label(record.label, dataset.class_names)),
+            ("bad_boxes", check_boxes(record.boxes)),
+            ("bad_box_names", check_box_names(record.box_names, record.boxes)),
+        ]
+        for field_reason, field_detail in fields:
+            if field_detail:
+                report.error(key, field_reason, field_detail)
         if reason or record.split not in KARPATHY_SPLITS or not captions:
             continue  # the record cannot be used; its errors are reported above
+        if any(detail for _, detail in fields):
+            continue  # a malformed optional field: the record is dropped, reported above
         if len(captions) != captions_per_image:
             report.warnings.append(
                 Issue(
@@ -416,12 +575,22 @@ def read_manifest(path: Path) -> Manifest:
     raw = (table.schema.metadata or {}).get(b"vse")
     if raw is None:
         raise IngestError(f"{path}: not a vse manifest (no 'vse' metadata); run `vse prepare`")
-    meta = json.loads(raw)
-    if meta.get("schema_version") != MANIFEST_SCHEMA_VERSION:
+    try:
+        meta = json.loads(raw)
+        version = meta.get("schema_version")
+    except (ValueError, AttributeError):
+        raise IngestError(f"{path}: damaged manifest metadata; rerun `vse prepare`") from None
+    if version != MANIFEST_SCHEMA_VERSION:
         raise IngestError(
-            f"{path}: manifest schema version {meta.get('schema_version')}, this code reads "
+            f"{path}: manifest schema version {version}, this code reads "
             f"{MANIFEST_SCHEMA_VERSION}; rerun `vse prepare` (dvc repro prepare)"
         )
+    missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
+    missing += [
+        k for k in ("dataset", "class_names", "captions_per_image", "digest") if k not in meta
+    ]
+    if missing:
+        raise IngestError(f"{path}: damaged manifest (no {missing}); rerun `vse prepare`")
     return Manifest(
         table, meta["dataset"], meta["class_names"], meta["captions_per_image"], meta["digest"]
     )
@@ -468,7 +637,13 @@ def prepare(
     if not images_root.is_dir():
         raise IngestError(f"{images_root}: images root is not a directory")
     dataset = READERS[cfg.format](annotations, images_root, cfg)
-    records, report = validate(dataset, images_root, cfg.captions_per_image, progress=progress)
+    records, report = validate(
+        dataset,
+        images_root,
+        cfg.captions_per_image,
+        progress=progress,
+        allow_symlinks_outside=cfg.allow_symlinks_outside,
+    )
     summary = report.summary(split_counts(records))
     write_errors(report, errors)
     write_json(metrics, summary)

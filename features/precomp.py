@@ -14,23 +14,25 @@
 from __future__ import annotations
 
 import base64
-import csv
+import binascii
 import re
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
+from features.finite import NON_FINITE, finite_rows
 from features.ingest import (
     Dataset,
     IngestError,
     Manifest,
     Record,
+    check_key,
+    manifest_digest,
     read_manifest,
     write_manifest,
 )
-from features.store import Provenance, StoreConfig, StoreWriter, regions_fields
+from features.store import FieldSpec, Provenance, StoreConfig, StoreWriter, regions_fields
 
 PRECOMP_SPLITS = {"train": "train", "dev": "val", "test": "test", "testall": "test"}
 TSV_FIELDS = ["image_id", "image_w", "image_h", "num_boxes", "boxes", "features"]
@@ -44,33 +46,103 @@ def _progress(progress, items):
 # --------------------------------------------------------------------------- precomp
 
 
+def _read_utf8(path: Path) -> str:
+    """A text file as UTF-8, or a one-line error naming the file and line."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise IngestError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise IngestError(f"{path}:{line}: not valid UTF-8; re-encode the file") from None
+
+
+def _load_features(path: Path) -> np.ndarray:
+    """A precomp ``*_ims.npy``, memory-mapped, checked: (N, regions, dim) real numbers."""
+    try:
+        ims = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as err:  # noqa: BLE001 - any malformed or truncated file: one line
+        detail = " ".join(str(err).split())[:160]
+        raise IngestError(
+            f"{path}: not a readable .npy array ({type(err).__name__}: {detail}); re-create "
+            "it with numpy.save or download it again"
+        ) from None
+    if not isinstance(ims, np.ndarray) or ims.dtype.kind not in "fiu" or ims.ndim != 3:
+        raise IngestError(
+            f"{path}: {getattr(ims, 'dtype', type(ims).__name__)} array of shape "
+            f"{getattr(ims, 'shape', '?')}; expected real numbers of shape (images, regions, dim)"
+        )
+    if 0 in ims.shape:
+        raise IngestError(f"{path}: shape {ims.shape} holds no features")
+    return ims
+
+
 def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], list[str]]:
     """Memory-mapped features, captions and one key per image of one precomp split."""
     ims_path, caps_path = folder / f"{name}_ims.npy", folder / f"{name}_caps.txt"
     for path in (ims_path, caps_path):
-        if not path.exists():
+        if not path.is_file():
             raise IngestError(
                 f"{path}: missing; a precomp split needs {name}_ims.npy and {name}_caps.txt"
             )
-    ims = np.load(ims_path, mmap_mode="r")
-    captions = caps_path.read_text(encoding="utf-8").splitlines()
-    if ims.ndim != 3 or len(captions) % len(ims):
+    ims = _load_features(ims_path)
+    captions = _read_utf8(caps_path).splitlines()
+    if len(captions) < len(ims) or len(captions) % len(ims):
         raise IngestError(
-            f"{ims_path}: {ims.shape} features for {len(captions)} captions; expected "
-            "(N, regions, dim) and a whole number of captions per image"
+            f"{ims_path}: {ims.shape} features for {len(captions)} captions in {caps_path.name}; "
+            "expected (N, regions, dim) and a whole number of captions per image (1 or more)"
         )
     per_image = len(captions) // len(ims)
     ids_path = folder / f"{name}_ids.txt"
     if ids_path.exists():
-        ids = ids_path.read_text().split()
+        ids = _read_utf8(ids_path).split()
         if len(ids) == len(captions) and per_image > 1:
             ids = ids[::per_image]  # one id per caption
         if len(ids) != len(ims):
             raise IngestError(f"{ids_path}: {len(ids)} ids for {len(ims)} images")
         keys = [str(i) for i in ids]
+        for key in keys:
+            if problem := check_key(key):
+                raise IngestError(f"{ids_path}: {problem}")
+        if len(set(keys)) != len(keys):
+            twice = next(k for k in keys if keys.count(k) > 1)
+            raise IngestError(f"{ids_path}: id {twice!r} occurs more than once")
     else:
         keys = [f"{name}_{i:06d}" for i in range(len(ims))]
     return ims, captions, keys
+
+
+def _store_finite(data: dict, fields: dict, keys: list[str], notes: dict) -> None:
+    """Samples of one shard whose values are not finite as stored: emptied (``valid``
+    0, no regions) and noted by key, like a bad image."""
+    bad: dict[int, list[str]] = {}
+    for name, spec in fields.items():
+        if np.dtype(spec.dtype).kind != "f" or name not in data:
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):
+            stored = data[name].astype(spec.dtype)
+        for i in np.flatnonzero(~finite_rows(stored)):
+            bad.setdefault(int(i), []).append(name)
+    for i, names in sorted(bad.items()):
+        for values in data.values():
+            values[i] = 0
+        notes[keys[i]] = [NON_FINITE, f"{', '.join(names)}: NaN or infinite values"]
+
+
+def _report_notes(notes: dict, log: Callable[[str], None]) -> None:
+    """One line per reason: how many samples were stored empty, and which."""
+    by_reason: dict[str, list[str]] = {}
+    for key, (reason, detail) in notes.items():
+        by_reason.setdefault(reason, []).append(f"{key} ({detail.split(':')[0]})")
+    for reason, items in sorted(by_reason.items()):
+        log(
+            f"import: {len(items)} images stored empty (valid = 0) for {reason}: "
+            + ", ".join(items[:10])
+            + (", ..." if len(items) > 10 else "")
+            + " (Store.notes() lists them all)"
+        )
 
 
 def import_precomp(
@@ -80,9 +152,15 @@ def import_precomp(
     store_path: Path,
     cfg: StoreConfig,
     progress: Callable[[Iterable], Iterable] | None = None,
+    log: Callable[[str], None] = print,
 ) -> Manifest:
-    """Import precomp splits as one manifest and one regions store (same key order)."""
+    """Import precomp splits as one manifest and one regions store (same key order).
+
+    Every file is read and checked before anything is written; the store is written
+    (aside, then moved into place) before the manifest, so neither is ever partial."""
     parts, records = [], []
+    if not splits:
+        raise IngestError("no precomp split given; pass --splits train dev test")
     for name in splits:
         if name not in PRECOMP_SPLITS:
             raise IngestError(f"precomp split {name!r}: expected one of {list(PRECOMP_SPLITS)}")
@@ -102,28 +180,33 @@ def import_precomp(
     if any(p.shape[1:] != (n_regions, dim) for p in parts):
         raise IngestError(f"{folder}: splits {splits} have different feature shapes")
     per_image = len(records[0].captions)
-    meta = write_manifest(records, Dataset("precomp", records), per_image, manifest_path)
+    dataset = Dataset("precomp", records)
     provenance = Provenance(
         "import-precomp",
         IMPORTER_VERSION,
         {"folder": folder.name, "splits": splits},
         None,
-        meta["digest"],
+        manifest_digest(records, dataset.class_names),
     )
-    fields = regions_fields(n_regions, dim, boxes=False)
+    fields = {**regions_fields(n_regions, dim, boxes=False), "valid": FieldSpec((), "uint8")}
     keys = [r.key for r in records]
     starts = np.cumsum([0] + [len(p) for p in parts])
-    with StoreWriter(store_path, "regions", fields, keys, provenance, cfg) as writer:
+    notes: dict[str, list[str]] = {}
+    with StoreWriter(store_path, "regions", fields, keys, provenance, cfg, log=log) as writer:
         for shard in _progress(progress, writer.pending_shards()):
             start, stop = writer.shard_range(shard)
-            writer.write_shard(
-                shard,
-                {
-                    "features": _rows(parts, starts, start, stop),
-                    "n_regions": np.full(stop - start, n_regions),
-                    "image_hw": np.zeros((stop - start, 2)),  # not in the precomp format
-                },
-            )
+            data = {
+                "features": _rows(parts, starts, start, stop).astype(np.float32, copy=False),
+                "n_regions": np.full(stop - start, n_regions, np.int32),
+                "image_hw": np.zeros((stop - start, 2), np.int32),  # not in the format
+                "valid": np.ones(stop - start, np.uint8),
+            }
+            shard_notes: dict[str, list[str]] = {}
+            _store_finite(data, fields, keys[start:stop], shard_notes)
+            writer.write_shard(shard, data, shard_notes)
+            notes.update(shard_notes)
+    _report_notes(notes, log)
+    write_manifest(records, dataset, per_image, manifest_path)
     return read_manifest(manifest_path)
 
 
@@ -155,53 +238,116 @@ def export_precomp(
             f"split {split}: images have {sorted(counts)} captions; the precomp "
             "layout needs the same number for every image"
         )
-    index = np.array([store.index(r["key"]) for r in table], dtype=np.int64)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from features.files import atomic_path, write_text
+    from features.store import StoreError
+
+    try:
+        index = np.array([store.index(r["key"]) for r in table], dtype=np.int64)
+    except KeyError as err:
+        raise StoreError(
+            f"{err.args[0]}; export with the manifest the store was built from"
+        ) from None
     dim = store.fields["features"].shape[-1]
-    ims = np.lib.format.open_memmap(
-        out_dir / f"{name}_ims.npy", mode="w+", dtype=np.float32, shape=(len(table), n_regions, dim)
-    )
-    for lo in range(0, len(index), 256):
-        block = store.read_indices(index[lo : lo + 256], ["features"])["features"]
-        r = min(n_regions, block.shape[1])
-        ims[lo : lo + len(block), :r] = block[:, :r]
-    ims.flush()
-    with open(out_dir / f"{name}_caps.txt", "w", encoding="utf-8") as f:
-        for row in table:
-            f.writelines(c.replace("\n", " ") + "\n" for c in row["captions"])
-    (out_dir / f"{name}_ids.txt").write_text("".join(r["key"] + "\n" for r in table))
+    # each file is written aside and moved into place whole
+    with atomic_path(out_dir / f"{name}_ims.npy") as tmp:
+        ims = np.lib.format.open_memmap(
+            tmp, mode="w+", dtype=np.float32, shape=(len(table), n_regions, dim)
+        )
+        for lo in range(0, len(index), 256):
+            block = store.read_indices(index[lo : lo + 256], ["features"])["features"]
+            r = min(n_regions, block.shape[1])
+            ims[lo : lo + len(block), :r] = block[:, :r]
+        ims.flush()
+        del ims
+    caps = "".join(c.replace("\n", " ") + "\n" for row in table for c in row["captions"])
+    write_text(out_dir / f"{name}_caps.txt", caps)
+    write_text(out_dir / f"{name}_ids.txt", "".join(r["key"] + "\n" for r in table))
     return out_dir / f"{name}_ims.npy"
 
 
 # --------------------------------------------------------------------------- BUTD TSV
 
 
-def _decode(field: str, count: int, width: int) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(field), dtype=np.float32).reshape(count, width)
+class MalformedRow(ValueError):
+    """A TSV row that cannot be parsed; the message says where and why."""
 
 
-def index_tsv(files: list[Path]) -> dict[str, tuple[Path, int]]:
-    """Image id -> (file, byte offset of its line): one pass, no features kept in memory."""
-    index = {}
+def _decode(field: str, count: int, width: int, what: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(field, validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedRow(f"{what} is not base64") from None
+    if len(raw) % 4 or (count and width == -1 and len(raw) % (4 * count)):
+        raise MalformedRow(f"{what}: {len(raw)} bytes do not hold {count} rows of float32")
+    values = np.frombuffer(raw, dtype=np.float32)
+    if count == 0:
+        if len(values):
+            raise MalformedRow(f"{what}: values for 0 boxes")
+        return values.reshape(0, max(width, 0))
+    try:
+        return values.reshape(count, width)
+    except ValueError:
+        raise MalformedRow(f"{what}: {len(values)} values for {count} rows of {width}") from None
+
+
+def index_tsv(files: list[Path]) -> dict[str, tuple[Path, int, int]]:
+    """Image id -> (file, byte offset, line number of its row): one pass, no features kept
+    in memory. An id that is not text, or that occurs twice, is a one-line error."""
+    index: dict[str, tuple[Path, int, int]] = {}
     for path in files:
-        with open(path, "rb") as f:
-            offset = 0
-            for line in f:
-                index[line.split(b"\t", 1)[0].decode()] = (path, offset)
-                offset += len(line)
+        try:
+            with open(path, "rb") as f:
+                offset = 0
+                for line_no, line in enumerate(f, start=1):
+                    raw_id = line.split(b"\t", 1)[0].strip()
+                    if raw_id:
+                        try:
+                            image_id = raw_id.decode("ascii")
+                        except UnicodeDecodeError:
+                            raise IngestError(
+                                f"{path}:{line_no}: image_id {raw_id[:40]!r} is not ASCII text; "
+                                "is this a bottom-up-attention TSV file?"
+                            ) from None
+                        if image_id in index:
+                            first = index[image_id]
+                            raise IngestError(
+                                f"{path}:{line_no}: image_id {image_id!r} already at "
+                                f"{first[0]}:{first[2]}; remove one of the two rows"
+                            )
+                        index[image_id] = (path, offset, line_no)
+                    offset += len(line)
+        except OSError as err:
+            raise IngestError(f"{path}: cannot read ({err.strerror or err})") from None
     return index
 
 
-def _read_tsv_row(path: Path, offset: int) -> dict:
-    csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="ascii") as f:
+def _read_tsv_row(path: Path, offset: int, line_no: int = 0) -> dict:
+    """One TSV row's boxes, features and image size; :class:`MalformedRow` naming the file
+    and line if it is not ``image_id, image_w, image_h, num_boxes, boxes, features``."""
+    where = f"{path}:{line_no}"
+    with open(path, "rb") as f:
         f.seek(offset)
-        row = next(csv.DictReader(f, delimiter="\t", fieldnames=TSV_FIELDS))
-    n = int(row["num_boxes"])
+        line = f.readline()
+    try:
+        fields = line.decode("ascii").rstrip("\r\n").split("\t")
+    except UnicodeDecodeError:
+        raise MalformedRow(f"{where}: not ASCII (base64) text") from None
+    if len(fields) != len(TSV_FIELDS):
+        raise MalformedRow(
+            f"{where}: {len(fields)} tab-separated fields, expected {len(TSV_FIELDS)} "
+            f"({', '.join(TSV_FIELDS)})"
+        )
+    row = dict(zip(TSV_FIELDS, fields, strict=True))
+    try:
+        n, w, h = int(row["num_boxes"]), int(row["image_w"]), int(row["image_h"])
+    except ValueError:
+        raise MalformedRow(f"{where}: num_boxes, image_w and image_h must be integers") from None
+    if n < 0 or w < 0 or h < 0 or n > 100_000:
+        raise MalformedRow(f"{where}: num_boxes {n}, image {w}x{h} out of range")
     return {
-        "boxes": _decode(row["boxes"], n, 4),
-        "features": _decode(row["features"], n, -1),
-        "image_hw": (int(row["image_h"]), int(row["image_w"])),
+        "boxes": _decode(row["boxes"], n, 4, f"{where}: boxes"),
+        "features": _decode(row["features"], n, -1, f"{where}: features"),
+        "image_hw": (h, w),
     }
 
 
@@ -229,19 +375,36 @@ def import_butd_tsv(
     cfg: StoreConfig,
     max_regions: int = 36,
     progress: Callable[[Iterable], Iterable] | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[str]:
-    """Import TSV features for the manifest's images; returns the keys with no TSV row
-    (stored with 0 regions, so the store stays aligned with the manifest)."""
+    """Import TSV features for the manifest's images; returns the keys with no TSV row.
+
+    Those, rows that cannot be parsed and rows with NaN or infinite values are stored
+    empty (``valid = 0``, 0 regions, so the store stays aligned with the manifest) and
+    noted by key in the store (``Store.notes()``)."""
+    if max_regions < 1:
+        raise IngestError(f"--max-regions {max_regions}: expected 1 or more")
     keys = manifest.table["key"].to_pylist()
     index = index_tsv(files)
     matched = match_keys(keys, index)
     if not matched:
         raise IngestError(
             f"{files[0]}: no TSV image_id matches a manifest key "
-            f"(e.g. {keys[0]!r} vs {next(iter(index), None)!r})"
+            f"(e.g. {keys[0] if keys else None!r} vs {next(iter(index), None)!r})"
         )
-    first = _read_tsv_row(*index[next(iter(matched.values()))])
-    dim = first["features"].shape[1]
+    dim = None
+    for image_id in matched.values():  # the feature size: the first row that parses
+        try:
+            dim = _read_tsv_row(*index[image_id])["features"].shape[1]
+        except MalformedRow:
+            continue
+        if dim:
+            break
+    if not dim:
+        raise IngestError(
+            f"{files[0]}: no row of the {len(matched)} matched images can be parsed as "
+            f"{', '.join(TSV_FIELDS)} with boxes; is this a bottom-up-attention TSV file?"
+        )
     provenance = Provenance(
         "import-butd-tsv",
         IMPORTER_VERSION,
@@ -249,25 +412,42 @@ def import_butd_tsv(
         None,
         manifest.digest,
     )
-    fields = regions_fields(max_regions, dim)
-    with StoreWriter(store_path, "regions", fields, keys, provenance, cfg) as writer:
+    fields = {**regions_fields(max_regions, dim), "valid": FieldSpec((), "uint8")}
+    all_notes: dict[str, list[str]] = {}
+    with StoreWriter(store_path, "regions", fields, keys, provenance, cfg, log=log) as writer:
         for shard in _progress(progress, writer.pending_shards()):
             start, stop = writer.shard_range(shard)
             n = stop - start
             data = {
-                "features": np.zeros((n, max_regions, dim), np.float16),
+                "features": np.zeros((n, max_regions, dim), np.float32),
                 "boxes": np.zeros((n, max_regions, 4), np.float32),
                 "n_regions": np.zeros(n, np.int32),
                 "image_hw": np.zeros((n, 2), np.int32),
+                "valid": np.zeros(n, np.uint8),
             }
+            notes: dict[str, list[str]] = {}
             for i, key in enumerate(keys[start:stop]):
                 if key not in matched:
+                    notes[key] = ["no_tsv_row", "no TSV row matches this key"]
                     continue
-                row = _read_tsv_row(*index[matched[key]])
+                try:
+                    row = _read_tsv_row(*index[matched[key]])
+                    if row["features"].shape[1] != dim:
+                        raise MalformedRow(
+                            f"{index[matched[key]][0]}:{index[matched[key]][2]}: features "
+                            f"of {row['features'].shape[1]} values per box, others {dim}"
+                        )
+                except MalformedRow as err:
+                    notes[key] = ["malformed_row", str(err)]
+                    continue
                 r = min(max_regions, len(row["features"]))
                 data["features"][i, :r] = row["features"][:r]
                 data["boxes"][i, :r] = row["boxes"][:r]
                 data["n_regions"][i] = r
                 data["image_hw"][i] = row["image_hw"]
-            writer.write_shard(shard, data)
+                data["valid"][i] = 1
+            _store_finite(data, fields, keys[start:stop], notes)
+            writer.write_shard(shard, data, notes)
+            all_notes.update(notes)
+    _report_notes({k: v for k, v in all_notes.items() if v[0] != "no_tsv_row"}, log)
     return [k for k in keys if k not in matched]

@@ -14,6 +14,9 @@ WebDataset reader can use the shards; :func:`stream` reads only the members it i
 
 Shards are ``{split}-{index:06d}.tar`` with fixed tar mtimes (identical inputs give identical
 bytes, so DVC caches them), and ``sizes.json`` maps each shard name to its sample count.
+The folder is built aside and moved into place whole (``sizes.json`` written last), so it
+is at every moment the old folder, absent, or the new one: never a ``sizes.json`` that
+lists deleted or half-written tars.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import Field
 
 from features.config import Section
 from features.ingest import SPLITS, Manifest
@@ -42,7 +46,7 @@ SIZES = "sizes.json"
 class ShardsConfig(Section):
     """``shards`` section of params.yaml."""
 
-    samples_per_shard: int = 1000
+    samples_per_shard: int = Field(1000, ge=1)
 
 
 BLOCK = 256  # manifest rows read from the stores at a time
@@ -70,7 +74,7 @@ def build_shards(
     ``stores`` are image-level (one row per manifest image). ``text`` is the caption-level
     text store, whose token ids (``word_ids``, ``wordpiece_ids``) go into each image's
     ``meta.json`` per caption, as do ``scene_graphs`` (caption key -> graph)."""
-    import webdataset as wds
+    from features.files import atomic_path
 
     for name, store in {**stores, **({"text": text} if text else {})}.items():
         if store.manifest_digest != manifest.digest:
@@ -79,9 +83,31 @@ def build_shards(
                 f"{store.manifest_digest[:12]}, not from this one ({manifest.digest[:12]}); "
                 "rebuild it (dvc repro)"
             )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.tar"):
-        old.unlink()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not _is_shards_folder(out_dir):
+        raise StoreError(
+            f"{out_dir} exists and is not a shards folder (no {SIZES}, or files other than "
+            "shards); remove it or choose another --out"
+        )
+    with atomic_path(out_dir, directory=True) as tmp:
+        sizes = _write_shards(
+            manifest, stores, tmp, samples_per_shard, progress, text, scene_graphs
+        )
+        (tmp / SIZES).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")  # last
+    return sizes
+
+
+def _is_shards_folder(folder: Path) -> bool:
+    """A folder ``build_shards`` made (and may replace): only tars and ``sizes.json``."""
+    if not folder.is_dir():
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return not names or (SIZES in names and all(n == SIZES or n.endswith(".tar") for n in names))
+
+
+def _write_shards(manifest, stores, out_dir, samples_per_shard, progress, text, scene_graphs):
+    import webdataset as wds
+
     rows = manifest.table.to_pylist()
     sizes: dict[str, int] = {}
     for split in SPLITS:
@@ -106,7 +132,6 @@ def build_shards(
         n = len(split_rows)  # ShardWriter fills each shard to maxcount before the next
         for k in range(-(-n // samples_per_shard)):
             sizes[f"{split}-{k:06d}.tar"] = min(samples_per_shard, n - k * samples_per_shard)
-    (out_dir / SIZES).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
     return sizes
 
 
@@ -164,9 +189,14 @@ def _sample(row: dict, features: dict, extra: dict | None = None) -> dict:
 def read_sizes(shard_dir: str | Path) -> dict[str, int]:
     path = Path(shard_dir) / SIZES
     try:
-        return json.loads(path.read_text())
+        sizes = json.loads(path.read_text())
     except FileNotFoundError:
         raise StoreError(f"{path}: missing; build the shards with `vse shards build`") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise StoreError(f"{path}: damaged ({err}); rebuild with `vse shards build`") from None
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
+        raise StoreError(f"{path}: not shard sizes; rebuild with `vse shards build`")
+    return sizes
 
 
 # --------------------------------------------------------------------------- streaming

@@ -15,6 +15,9 @@ Layout of a store (a Zarr v3 group, readable with plain ``zarr.open_group``)::
                                        (rows, ...) and the row where each sample starts (N,)
       _commits/          (n_shards,) str, one file per shard: the commit marker of shard k,
                          JSON with its sample range, ragged row range and file checksums
+      _checksums/        (1,) str, uncompressed: written last when the store is finalized,
+                         the SHA-256 of every other file of the store (root and array
+                         metadata, keys, markers, chunks), with a digest of itself
 
 Dense fields are chunked along the sample axis (``samples_per_chunk``) inside Zarr shards
 of ``samples_per_shard`` samples (the sharding codec: few, large files, since DVC hashes
@@ -34,6 +37,14 @@ filled by several processes at once (e.g. Dask workers), each a *shard writer*
 share ``.lock`` and each holds an exclusive lock per shard (``.shard_locks/<k>``), commits
 its own shards and never finalizes; a whole-store writer opened afterwards finalizes the
 store, sweeps the lock files and moves it into place.
+
+Integrity: every file is covered by a checksum. A shard's files are hashed into its commit
+marker when it is committed; at finalization the checksum manifest (``_checksums``) lists
+every file of the store (the markers' checksums for chunks, freshly computed ones for the
+metadata, keys and markers). The manifest is self-checking: it is canonical JSON holding
+a digest of its own listing, stored as one uncompressed string, so any changed or missing
+byte of it shows. :func:`verify_store` checks a store file by file and never needs its
+metadata to be readable.
 """
 
 from __future__ import annotations
@@ -57,10 +68,12 @@ from pydantic import Field as PydanticField
 from pydantic import model_validator
 
 from features.config import Section, UserError
-from features.files import replace_dir
+from features.files import replace_dir, sweep_stale
 
 SCHEMA_VERSION = 1
 COMMITS = "_commits"
+CHECKSUMS = "_checksums"  # the checksum manifest, written last at finalization
+CHECKSUMS_CHUNK = f"{CHECKSUMS}/c/0"
 LOCK = ".lock"
 SHARD_LOCKS = ".shard_locks"  # one lock file per shard held by a shard writer
 RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
@@ -268,6 +281,7 @@ class StoreWriter:
         self._acquire_lock()
         for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
             partial.unlink()
+        sweep_stale(self.target)  # what a killed move into place left
         # no shard writer can hold a lock while we hold .lock exclusively
         shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
         existing = self._existing_attrs()
@@ -305,6 +319,8 @@ class StoreWriter:
             if len(self.committed) == self.n_shards:
                 if not self.group.attrs["vse"].get("complete"):
                     self._finalize()
+                if read_checksums(*_local_fs(self.path))[0] is None:
+                    self._write_checksums()  # last: a store with it is whole
                 replace_dir(self.path, self.target)  # still holding the lock's descriptor
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
@@ -434,6 +450,8 @@ class StoreWriter:
             attrs = dict(zarr.open_group(self.target, mode="r").attrs["vse"])
         except Exception:  # noqa: BLE001 - absent or not a store: it is (re)built
             return False
+        if read_checksums(*_local_fs(self.target))[0] is None:
+            return False  # no checksum manifest (damaged, or made by an older version)
         return bool(attrs.get("complete")) and self._same_store(attrs)
 
     def _clear(self) -> None:
@@ -645,8 +663,47 @@ class StoreWriter:
         attrs.update(complete=True, counts=counts)
         self.group.attrs["vse"] = attrs
 
+    def _write_checksums(self) -> None:
+        """The checksum manifest: every file of the finalized store. Chunks keep the
+        checksums their commit markers recorded (so damage after a commit still shows);
+        the rest (metadata, keys, markers, extras) are hashed now."""
+        files: dict[str, str] = {}
+        for marker in self.commits[:]:
+            files.update(json.loads(marker)["files"])  # later shards: final ragged files
+        attrs = self.group.attrs["vse"]
+        for name, digest in attrs.get("extras", {}).items():
+            files[attrs["extras_files"][name]] = digest
+        manifest = self.group.create_array(
+            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, compressors=None, overwrite=True
+        )
+        for rel, path in _store_files(self.path):
+            if rel not in files and rel != CHECKSUMS_CHUNK:
+                files[rel] = sha256_bytes(path.read_bytes())
+        manifest[0] = checksums_text(files)
+
 
 # --------------------------------------------------------------------------- reader
+
+
+# what a store's "vse" attributes must hold, and of which type, to be read
+_ATTRS = {
+    "kind": str,
+    "fingerprint": str,
+    "inputs": dict,
+    "fields": dict,
+    "layout": dict,
+    "n": int,
+    "n_shards": int,
+}
+
+
+def _damaged(url: str, what: str, err: BaseException | str) -> StoreError:
+    detail = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+    detail = " ".join(str(detail).split())[:200]
+    return StoreError(
+        f"{url}: {what} is damaged ({detail}); run `vse store verify {url}` to see which "
+        "files, then rebuild the store (dvc repro) or restore it from the DVC cache"
+    )
 
 
 def _open_group(url: str | Path, storage_options: dict | None = None):
@@ -659,17 +716,22 @@ def _open_group(url: str | Path, storage_options: dict | None = None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             group = zarr.open_group(url, mode="r", storage_options=storage_options)
-        attrs = dict(group.attrs["vse"])
+            attrs = dict(group.attrs["vse"])
     except (FileNotFoundError, KeyError) as err:
         raise StoreError(
             f"{url}: not a feature store (no Zarr group with 'vse' attributes); check the path "
             "or build it with its DVC stage"
         ) from err
+    except Exception as err:  # noqa: BLE001 - unreadable metadata: damaged
+        raise _damaged(url, "its metadata (zarr.json)", err) from None
     if attrs.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(
             f"{url}: store schema version {attrs.get('schema_version')}, this code reads "
             f"{SCHEMA_VERSION}; rebuild the store"
         )
+    wrong = [k for k, t in _ATTRS.items() if not isinstance(attrs.get(k), t)]
+    if wrong or not isinstance(attrs["inputs"].get("manifest_digest"), str):
+        raise _damaged(url, "its metadata (zarr.json)", f"bad or missing {wrong or 'inputs'}")
     return group, attrs
 
 
@@ -702,8 +764,20 @@ class Store:
         storage_options: dict | None = None,
     ) -> Store:
         group, attrs = _open_group(url, storage_options)
-        committed = np.array([bool(m) for m in group[COMMITS][:]], dtype=bool)
-        store = cls(str(url), group, attrs, committed, storage_options)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                markers = group[COMMITS][:]
+            committed = np.array([bool(m) for m in markers], dtype=bool)
+            store = cls(str(url), group, attrs, committed, storage_options)
+            store.fields  # noqa: B018 - parse the field specs now, not in the middle of a run
+            store.attrs["layout"]["samples_per_shard"]  # noqa: B018
+        except Exception as err:  # noqa: BLE001 - unreadable markers or attributes: damaged
+            raise _damaged(str(url), "its commit markers or attributes", err) from None
+        if len(committed) != attrs["n_shards"]:
+            raise _damaged(
+                str(url), "its commit markers", f"{len(committed)} for {attrs['n_shards']} shards"
+            )
         if kind and attrs["kind"] != kind:
             raise StoreError(f"{url}: a {attrs['kind']} store, expected a {kind} store")
         if fingerprint and attrs["fingerprint"] != fingerprint:
@@ -888,29 +962,9 @@ class Store:
     # -- integrity
 
     def verify(self) -> list[str]:
-        """Recompute every committed file's checksum; returns problems, empty if intact."""
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(self.url, **(self.storage_options or {}))
-        root = root.rstrip("/")
-        expected: dict[str, str] = {}
-        problems = []
-        for k, marker in enumerate(self.markers()):
-            if marker is None:
-                problems.append(f"shard {k}: not committed (store incomplete)")
-                continue
-            expected.update(marker["files"])  # later shards hold the final ragged checksums
-        for name, digest in self.attrs.get("extras", {}).items():
-            expected[self.attrs["extras_files"][name]] = digest
-        for rel, digest in sorted(expected.items()):
-            try:
-                data = fs.cat_file(f"{root}/{rel}")
-            except FileNotFoundError:
-                problems.append(f"{rel}: missing")
-                continue
-            if sha256_bytes(data) != digest:
-                problems.append(f"{rel}: corrupt (checksum mismatch)")
-        return problems
+        """Recompute every file's checksum; returns problems, empty if intact
+        (:func:`verify_store`)."""
+        return verify_store(self.url, self.storage_options)
 
     def describe(self) -> dict:
         """What ``vse store info`` shows."""
@@ -929,18 +983,197 @@ class Store:
 
 
 def find_stores(root: str | Path) -> Iterator[Path]:
-    """Stores under a local folder (any ``*.zarr`` group with 'vse' attributes), and the
-    incomplete ones being built (``*.zarr.incomplete``)."""
+    """Stores under a local folder (``*.zarr`` groups with 'vse' attributes), the incomplete
+    ones being built (``*.zarr.incomplete``), and damaged ones: a ``*.zarr`` folder whose
+    root ``zarr.json`` is unreadable or missing but that holds commit markers or a checksum
+    manifest (:meth:`Store.open` then says what is wrong)."""
     root = Path(root)
-    for path in sorted(root.rglob("zarr.json")):
-        store_dir = path.parent
-        if store_dir.name.endswith((".zarr", ".zarr" + INCOMPLETE)):
-            try:
-                attrs = json.loads(path.read_text()).get("attributes", {})
-            except (OSError, json.JSONDecodeError):
-                continue
-            if "vse" in attrs:
-                yield store_dir
+    candidates = {p.parent for p in root.rglob("zarr.json")}
+    candidates |= {p.parent.parent for p in root.rglob(f"{COMMITS}/zarr.json")}
+    for store_dir in sorted(candidates):
+        if not store_dir.name.endswith((".zarr", ".zarr" + INCOMPLETE)):
+            continue
+        try:
+            attrs = json.loads((store_dir / "zarr.json").read_text()).get("attributes", {})
+        except (OSError, ValueError, AttributeError):
+            yield store_dir  # damaged (or cut short): listed, for `store ls` to report
+            continue
+        if isinstance(attrs, dict) and "vse" in attrs:
+            yield store_dir
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def checksums_text(files: Mapping[str, str]) -> str:
+    """The checksum manifest: canonical JSON of the files' SHA-256 and a digest of that
+    listing, so that the manifest checks itself (any change to it breaks one or the other,
+    or its canonical form)."""
+    listing = json.dumps(dict(sorted(files.items())), separators=(",", ":"))
+    body = {"algorithm": "sha256", "files": dict(sorted(files.items()))}
+    body["digest"] = sha256_bytes(listing.encode())
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def _vlen_utf8_single(data: bytes) -> str:
+    """The one string of an uncompressed Zarr ``vlen-utf8`` chunk of one element:
+    ``<u4 count = 1><u4 length><utf-8 bytes>``, nothing more."""
+    if len(data) < 8 or int.from_bytes(data[:4], "little") != 1:
+        raise ValueError("not one vlen-utf8 string")
+    length = int.from_bytes(data[4:8], "little")
+    if len(data) != 8 + length:
+        raise ValueError(f"{len(data)} bytes for a string of {length}")
+    return data[8:].decode("utf-8")
+
+
+def parse_checksums(data: bytes) -> dict[str, str]:
+    """The files' checksums in the bytes of a checksum manifest chunk; ``ValueError`` if
+    they are not exactly what :func:`checksums_text` wrote."""
+    try:
+        text = _vlen_utf8_single(data)
+        body = json.loads(text)
+        files = body["files"]
+        if text != json.dumps(body, sort_keys=True, separators=(",", ":")):
+            raise ValueError("not in canonical form")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise ValueError("not a listing of checksums")
+        if text != checksums_text(files):
+            raise ValueError("its digest does not match its listing")
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"not a checksum manifest ({type(err).__name__}: {err})") from None
+    return files
+
+
+def read_checksums(fs, root: str) -> tuple[dict[str, str] | None, str]:
+    """The checksum manifest of the store at ``root`` (an fsspec file system and path):
+    ``(files, "")``, or ``(None, why)``: ``"missing"`` or what is wrong with it."""
+    try:
+        data = fs.cat_file(f"{root}/{CHECKSUMS_CHUNK}")
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as err:
+        return None, f"unreadable ({err})"
+    try:
+        return parse_checksums(data), ""
+    except ValueError as err:
+        return None, f"corrupt ({err})"
+
+
+def _local_fs(path: Path):
+    import fsspec
+
+    return fsspec.filesystem("file"), str(Path(path).absolute())
+
+
+def _store_files(path: Path) -> Iterator[tuple[str, Path]]:
+    """``(relative name, path)`` of every file of a local store but writers' lock and
+    temporary files."""
+    for file in sorted(path.rglob("*")):
+        rel = file.relative_to(path).as_posix()
+        if file.is_file() and not (
+            rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or rel.endswith(".partial")
+        ):
+            yield rel, file
+
+
+def _commit_markers(url: str, storage_options, n_shards: int | None, problems: list) -> list:
+    """Each shard's commit marker (a dict, or None if uncommitted); a damaged one is
+    named in ``problems`` and counts as uncommitted."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            commits = zarr.open_array(
+                f"{url.rstrip('/')}/{COMMITS}", mode="r", storage_options=storage_options
+            )
+    except Exception as err:  # noqa: BLE001 - damaged array metadata
+        problems.append(f"{COMMITS}/zarr.json: corrupt or missing ({type(err).__name__})")
+        return []
+    markers = []
+    for k in range(commits.shape[0] if n_shards is None else n_shards):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                text = str(commits[k : k + 1][0])
+            marker = json.loads(text) if text else None
+            if marker is not None and not isinstance(marker.get("files"), dict):
+                raise ValueError("no file checksums")
+        except Exception as err:  # noqa: BLE001 - damaged chunk: name it, go on
+            problems.append(f"{COMMITS}/c/{k}: corrupt ({type(err).__name__}: {err})"[:200])
+            marker = None
+        else:
+            if marker is None:
+                problems.append(f"shard {k}: not committed (store incomplete)")
+        markers.append(marker)
+    return markers
+
+
+def verify_store(url: str | Path, storage_options: dict | None = None) -> list[str]:
+    """Check every file of a store (local or fsspec URL) against its checksum; returns
+    one line per problem, naming the file, empty if the store is intact.
+
+    A finalized store is checked against its checksum manifest, file by file, without
+    reading any of its metadata first, so damaged metadata is named like any other file.
+    An incomplete store (or one whose manifest is damaged) is checked against what its
+    commit markers record. Raises :class:`StoreError` only if nothing is there.
+    """
+    import fsspec
+
+    url = str(url)
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    root = root.rstrip("/")
+    try:
+        present = {
+            p[len(root) + 1 :]
+            for p in fs.find(root)
+            if not p.endswith(".partial") and p[len(root) + 1 :] not in (LOCK,)
+        }
+    except FileNotFoundError:
+        present = set()
+    present = {p for p in present if not p.startswith(SHARD_LOCKS + "/")}
+    if not present:
+        raise StoreError(f"{url}: no such store (no files there); check the path")
+    files, why = read_checksums(fs, root)
+    problems: list[str] = []
+    if files is not None:
+        expected = files
+    else:
+        if why != "missing":
+            problems.append(f"{CHECKSUMS_CHUNK}: {why}")
+        attrs: dict = {}
+        try:
+            attrs = json.loads(fs.cat_file(f"{root}/zarr.json"))["attributes"]["vse"]
+            if not isinstance(attrs, dict):
+                raise TypeError("'vse' attributes are not a mapping")
+        except FileNotFoundError:
+            problems.append("zarr.json: missing")
+        except Exception as err:  # noqa: BLE001 - damaged: name the file and go on
+            problems.append(f"zarr.json: corrupt ({type(err).__name__}: {err})"[:200])
+            attrs = {}
+        if attrs.get("complete") and why == "missing":
+            problems.append(
+                f"{CHECKSUMS_CHUNK}: missing, though the store is marked complete; rebuild "
+                "the store"
+            )
+        n_shards = attrs.get("n_shards") if isinstance(attrs.get("n_shards"), int) else None
+        expected = {}
+        for marker in _commit_markers(url, storage_options, n_shards, problems):
+            if marker is not None:
+                expected.update(marker["files"])  # later shards: final ragged checksums
+        extras, names = attrs.get("extras", {}), attrs.get("extras_files", {})
+        if isinstance(extras, dict) and isinstance(names, dict):
+            expected.update({names[k]: v for k, v in extras.items() if k in names})
+    for rel, digest in sorted(expected.items()):
+        try:
+            data = fs.cat_file(f"{root}/{rel}")
+        except FileNotFoundError:
+            problems.append(f"{rel}: missing")
+            continue
+        if sha256_bytes(data) != digest:
+            problems.append(f"{rel}: corrupt (checksum mismatch)")
+    if files is not None:
+        for rel in sorted(present - set(files) - {CHECKSUMS_CHUNK}):
+            problems.append(f"{rel}: unexpected file (not in the checksum manifest)")
+    return problems
 
 
 # --------------------------------------------------------------------------- joining

@@ -118,6 +118,7 @@ def fields(hidden: int) -> dict[str, FieldSpec]:
         "word_ids": FieldSpec((), "int32", ragged=True),
         "tfidf_indices": FieldSpec((), "int32", ragged=True),
         "tfidf_values": FieldSpec((), "float32", ragged=True),
+        "valid": FieldSpec((), "uint8"),  # 0: features held NaN or infinite values
     }
 
 
@@ -277,7 +278,12 @@ def write_text_store(
     progress: Callable | None = None,
 ) -> None:
     """Encode ``texts`` into a caption-level store with the given (train-fitted) word and
-    TF-IDF vocabularies, so other caption sets (e.g. adversarial ones) share them."""
+    TF-IDF vocabularies, so other caption sets (e.g. adversarial ones) share them.
+
+    A caption whose features hold NaN or infinite values (as stored: float16 overflows
+    count) is stored with zeros and ``valid = 0``, noted by key in its shard's commit marker
+    (``Store.notes()``) and reported."""
+    from features.finite import NON_FINITE, nonfinite_fields
     from features.store import Provenance, StoreWriter
 
     word_index = {w: i for i, w in enumerate(vocab["words"])}
@@ -286,8 +292,11 @@ def write_text_store(
     params = cfg.model_dump(exclude={"batch_size", "device", "model"})
     provenance = Provenance(f"{kind}-bert", TEXT_VERSION, params, weights, manifest_digest)
     bar = progress(total=len(texts)) if progress else None
+    store_fields = fields(encoder.hidden)
+    dtypes = {name: spec.dtype for name, spec in store_fields.items()}
+    bad: dict[str, list[str]] = {}
     with StoreWriter(
-        store_path, kind, fields(encoder.hidden), list(keys), provenance, store_cfg, log=log
+        store_path, kind, store_fields, list(keys), provenance, store_cfg, log=log
     ) as writer:
         for shard in writer.pending_shards():
             lo, hi = writer.shard_range(shard)
@@ -296,6 +305,21 @@ def write_text_store(
                 encoder, chunk, cfg.batch_size, [len(t) for t in chunk]
             )
             sparse = [tfidf_vector(t, term_index, idf) for t in chunk]
+            valid = np.ones(hi - lo, np.uint8)
+            notes = {}
+            for i, (e, (_, values)) in enumerate(zip(encoded, sparse, strict=True)):
+                record = {"features": e["features"], "document": e["document"]}
+                wrong = nonfinite_fields({**record, "tfidf_values": values}, dtypes)
+                if wrong:  # stored empty and reported, like a bad image
+                    e["features"] = np.zeros_like(e["features"])
+                    e["document"] = np.zeros_like(e["document"])
+                    sparse[i] = (sparse[i][0], np.zeros_like(values))
+                    valid[i] = 0
+                    notes[keys[lo + i]] = [
+                        NON_FINITE,
+                        f"{', '.join(wrong)}: NaN or infinite values",
+                    ]
+                    bad[keys[lo + i]] = wrong
             writer.write_shard(
                 shard,
                 {
@@ -305,9 +329,17 @@ def write_text_store(
                     "word_ids": [word_ids(t, word_index) for t in chunk],
                     "tfidf_indices": [i for i, _ in sparse],
                     "tfidf_values": [v for _, v in sparse],
+                    "valid": valid,
                 },
+                notes,
             )
             if bar is not None:
                 bar.update(hi - lo)
     if bar is not None:
         bar.close()
+    if bad:
+        listing = ", ".join(f"{k} ({', '.join(v)})" for k, v in list(bad.items())[:10])
+        log(
+            f"{kind}: {len(bad)} captions stored empty (valid = 0): NaN or infinite features: "
+            f"{listing}{', ...' if len(bad) > 10 else ''} (Store.notes() lists them all)"
+        )

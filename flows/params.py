@@ -87,10 +87,17 @@ def load_params(path: str | Path = "params.yaml"):
         raise ConfigError(
             f"{path}: not found; run from the repository root or pass --params FILE"
         ) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); re-save it") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

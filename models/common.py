@@ -6,10 +6,10 @@ growing this module into a base class.
 from __future__ import annotations
 
 import torch
-from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
-from features.config import Section
+from features.config import Section, Seed
 from features.device import Device
 
 
@@ -21,12 +21,12 @@ class TrainConfig(Section):
     batch_size: PositiveInt = 128
     lr: PositiveFloat = 2e-4
     lr_decay_epochs: list[PositiveInt] = [15]  # multiply the LR by lr_decay at these epochs
-    lr_decay: PositiveFloat = 0.1
-    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    lr_decay: float = Field(0.1, gt=0.0, le=1.0)
+    warmup_steps: NonNegativeInt = 0  # linear warm-up from 0 over this many optimizer steps
     weight_decay: NonNegativeFloat = 0.0
     grad_clip: PositiveFloat = 2.0  # max global L2 norm of the gradients
     num_workers: int = 0
-    seed: int = 0
+    seed: Seed = 0
     device: Device = "auto"  # auto | cpu | cuda | cuda:N
     eval_batch_size: PositiveInt = 256
     # image inputs as (x - mean) / std with train statistics (kept in the checkpoint);

@@ -8,6 +8,9 @@
 - Models that classify (``classify(embedding) -> logits``, HUSE) also get classification
   accuracy (image, text, fused by averaging the softmaxes) and class-level retrieval R@K in
   the four directions (a result is relevant when it has the query's class).
+
+Embeddings and scores must be finite: a NaN or infinite one is an error naming the image
+or caption (its key), never a number in the report.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pydantic import PositiveInt
 
 from features.config import Section
 from features.device import Device
+from features.finite import NonFiniteError, finite_rows
 from models.common import autocast
 from models.data import to_device
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
@@ -44,16 +48,35 @@ def _encode(encode, batches, device) -> torch.Tensor:
     return torch.cat(out)
 
 
+def refuse_non_finite(embeddings: torch.Tensor, keys, what: str) -> None:
+    """One line naming the first ``what`` (image or caption) whose embedding holds NaN or
+    infinite values, by key when ``keys`` are known, else by position."""
+    finite = finite_rows(embeddings)
+    if finite.all():
+        return
+    bad = np.flatnonzero(~finite)
+    name = repr(keys[bad[0]]) if keys is not None else str(bad[0])
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise NonFiniteError(
+        f"the embedding of {what} {name} holds NaN or infinite values{more}; check that "
+        f"{what}'s features in its store (vse store verify) and the checkpoint's weights"
+    )
+
+
 def encode_images(model, data, batch_size: int, device) -> torch.Tensor:
     idx = np.arange(data.n_images)
     batches = (data.image_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
-    return _encode(model.encode_image, batches, device)
+    img = _encode(model.encode_image, batches, device)
+    refuse_non_finite(img, getattr(data, "image_keys", None), "image")
+    return img
 
 
 def encode_texts(model, data, batch_size: int, device, n: int | None = None) -> torch.Tensor:
     idx = np.arange(len(data) if n is None else n)
     batches = (data.text_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
-    return _encode(model.encode_text, batches, device)
+    txt = _encode(model.encode_text, batches, device)
+    refuse_non_finite(txt, getattr(data, "caption_keys", None), "caption")
+    return txt
 
 
 def evaluate_split(model, data, batch_size: int, device) -> dict[str, float]:

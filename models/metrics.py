@@ -6,6 +6,8 @@ strictly higher than its best ground truth: the optimistic tie rule (a ground tr
 with a negative counts as ranked first among them). R@K is in percent; medr and meanr are
 1-based. Captions whose image is ``-1`` are distractors (e.g. adversarial captions): they
 are candidates for image-to-text queries and never ground truth, and are not queries.
+A NaN or infinite score is refused (:class:`NonFiniteError`), never ranked: a NaN never
+compares greater, so it would rank first and inflate every recall.
 
 The work is a few passes over the matrix in chunks, on the matrix's device, so evaluating
 5K images x 25K captions costs little more than the matrix product itself.
@@ -18,7 +20,25 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from features.finite import NonFiniteError
+
 KS = (1, 5, 10)
+
+
+def _refuse_non_finite(scores: torch.Tensor, where: Callable[[tuple], tuple[int, int]]) -> None:
+    """One line naming the first (image, caption) pair whose score is NaN or infinite;
+    ``where`` maps a position in ``scores`` to its image and caption in the matrix."""
+    # a non-finite score makes the sum non-finite: one fast reduction in the usual case (a
+    # sum that overflows falls through to the exact test)
+    if bool(torch.isfinite(scores.sum())) or bool(torch.isfinite(scores).all()):
+        return
+    position = tuple(int(v) for v in torch.nonzero(~torch.isfinite(scores))[0])
+    i, c = where(position)
+    raise NonFiniteError(
+        f"the similarity of image {i} and caption {c} is {float(scores[position])}: NaN "
+        "or infinite scores cannot be ranked; check the checkpoint and the features of that "
+        "image and caption (vse store verify)"
+    )
 
 
 def _summary(ranks: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -47,6 +67,7 @@ def retrieval_ranks(
     if int(c2i.max()) >= n_img:
         raise ValueError(f"caption_to_image refers to image {int(c2i.max())} of {n_img}")
     gt = sims[c2i[real], real]  # (n_real,) each caption's score with its own image
+    _refuse_non_finite(gt, lambda p: (int(c2i[real[p[0]]]), int(real[p[0]])))
     best = torch.full((n_img,), -torch.inf, dtype=sims.dtype, device=sims.device)
     best = best.scatter_reduce(0, c2i[real], gt, reduce="amax")  # best ground truth per image
     if torch.isinf(best).any():
@@ -57,6 +78,7 @@ def retrieval_ranks(
     all_real = real.numel() == n_cap  # then no column gather (no copy)
     for lo in range(0, n_img, chunk):
         block = sims[lo : lo + chunk]
+        _refuse_non_finite(block, lambda p, lo=lo: (lo + p[0], p[1]))
         i2t[lo : lo + chunk] = torch.count_nonzero(block > best[lo : lo + chunk, None], dim=1)
         t2i += torch.count_nonzero((block if all_real else block[:, real]) > gt[None, :], dim=0)
     return i2t, t2i
@@ -78,6 +100,8 @@ def fold_metrics(sims, caption_to_image, fold_size: int) -> dict[str, float]:
     n_folds = sims.shape[0] // fold_size
     if n_folds < 1:
         raise ValueError(f"{sims.shape[0]} images: fewer than one fold of {fold_size}")
+    # named by their place in the whole matrix, not in a fold
+    _refuse_non_finite(sims, lambda p: p)
     folds = []
     for f in range(n_folds):
         lo, hi = f * fold_size, (f + 1) * fold_size

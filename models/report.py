@@ -164,7 +164,17 @@ def write_report(
     for path in results:
         if not path.exists():
             raise UserError(f"{path}: no evaluation results; run `vse evaluate` first")
-        result = json.loads(path.read_text())
+        try:
+            result = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(result, dict):
+                raise ValueError("not a JSON object")
+            for key in ("model", "split", "images", "captions", "full"):
+                if key not in result:
+                    raise ValueError(f"no {key!r}")
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UserError(
+                f"{path}: not the results of `vse evaluate` ({err}); rerun it (dvc repro)"
+            ) from None
         by_model[result["model"]] = result
     splits = {r["split"] for r in by_model.values()}
     if len(splits) > 1:

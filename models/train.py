@@ -56,13 +56,32 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
-    from models.registry import model_class
+    from models.registry import MODELS, model_class
 
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    config = model_class(ckpt["model"]).Config.model_validate(ckpt["config"])
-    model = build_model(ckpt["model"], config, ckpt["info"])
-    model.load_state_dict(ckpt["state_dict"])
-    return model.to(device).eval(), DataInfo(**ckpt["info"])
+    def refuse(what: str, err: BaseException | None = None) -> TrainingError:
+        detail = f" ({type(err).__name__}: {' '.join(str(err).split())[:160]})" if err else ""
+        return TrainingError(
+            f"{path}: {what}{detail}; give best.pt or last.pt as `vse train` writes them "
+            "(dvc repro train@MODEL)"
+        )
+
+    try:  # plain data only: a pickled object is refused by weights_only, never run
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file: one line naming it
+        raise refuse("not a checkpoint torch can read as plain data", err) from None
+    if not isinstance(ckpt, dict) or not {"model", "config", "info", "state_dict"} <= set(ckpt):
+        raise refuse("not a vse checkpoint (no model, config, info and state_dict)")
+    if ckpt["model"] not in MODELS:
+        raise refuse(f"a checkpoint of unknown model {ckpt['model']!r}")
+    try:
+        config = model_class(ckpt["model"]).Config.model_validate(ckpt["config"])
+        info = DataInfo(**ckpt["info"])
+        model = build_model(ckpt["model"], config, info)
+        model.load_state_dict(ckpt["state_dict"])
+    except Exception as err:  # noqa: BLE001 - config, sizes or weights that do not fit
+        what = f"a {ckpt['model']} checkpoint whose config or weights do not load"
+        raise refuse(what, err) from None
+    return model.to(device).eval(), info
 
 
 class _LossOf(nn.Module):

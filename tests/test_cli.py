@@ -60,3 +60,61 @@ def test_exp_show_keeps_the_params_that_differ_and_the_rsums():
     assert lines[0].split() == ["experiment", "models.vsepp.margin", "vsepp", "rsum"]
     assert lines[-1].split() == ["train-vsepp-1a2b3c4d", "0.3", "310.5"]
     assert all(len(line) < 80 for line in lines)  # train.lr is the same everywhere: left out
+
+
+def test_file_system_errors_are_one_line(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "a-file").write_text("x")
+    args = ["--annotations", str(tmp_path / "none.json"), "--images", str(tmp_path)]
+    out = ["--out", str(tmp_path / "a-file" / "m.parquet"), "--errors", str(tmp_path / "e.csv")]
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n  format: karpathy\n")
+    (tmp_path / "none.json").write_text('{"images": []}')
+    code = main(["--params", str(params), "prepare", *args, *out, "--metrics", str(tmp_path / "j")])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "record/s" not in x]
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err  # no traceback
+    assert "a-file: File exists" in err[0] or "a-file: Not a directory" in err[0]
+
+
+def test_malformed_command_line_items_are_one_line_errors():
+    import pytest
+
+    from features.config import UserError
+    from flows.commands.flow import parse_overrides
+    from flows.commands.shards import _named_paths
+
+    assert parse_overrides(["train.lr=0.1", "grid.weights=null", "text.model=bert-base"]) == {
+        "train.lr": 0.1,  # values are JSON, else strings
+        "grid.weights": None,
+        "text.model": "bert-base",
+    }
+    assert parse_overrides(['adversarial.splits=["val", "test"]', 'x.y="a,b"']) == {
+        "adversarial.splits": ["val", "test"],
+        "x.y": "a,b",  # a comma is no sweep
+    }
+    with pytest.raises(UserError, match="-S 'train.lr': expected KEY=VALUE"):
+        parse_overrides(["train.lr"])
+    with pytest.raises(UserError, match="--store 'regions': expected NAME=PATH"):
+        _named_paths(["regions"], "--store")
+
+
+def test_broken_result_and_manifest_files_are_one_line_errors(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flows.cli import main
+
+    (tmp_path / "r.json").write_text('{"model": "vsepp", "split"')
+    (tmp_path / "s.json").write_text('{"split": "test"}')
+    for bad in ("r.json", "s.json"):
+        out = ["--out", str(tmp_path / "m.md"), "--plot", str(tmp_path / "p.png")]
+        assert main(["report", str(tmp_path / bad), *out]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / bad}: ") and err.count("\n") == 1, err
+    table = pa.table({"key": ["a"]}).replace_schema_metadata({"vse": "{not json"})
+    pq.write_table(table, tmp_path / "m.parquet")
+    args = ["--manifest", str(tmp_path / "m.parquet"), "--split", "test", "--out", str(tmp_path)]
+    assert main(["store", "export-precomp", str(tmp_path / "x.zarr"), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'm.parquet'}: ") and err.count("\n") == 1, err

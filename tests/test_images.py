@@ -85,3 +85,74 @@ def test_conversions(corpus):
 def test_pixel_limit_is_a_parameter(corpus):
     with pytest.raises(BadImage, match="too_large"):
         load_image(corpus["good.jpg"], max_pixels=100)
+
+
+def test_extreme_aspect_ratios_are_refused_with_their_own_reason(tmp_path):
+    Image.new("RGB", (1, 10_000)).save(tmp_path / "sliver.png")  # ~100 bytes
+    assert (tmp_path / "sliver.png").stat().st_size < 500
+    with pytest.raises(BadImage) as err:
+        load_image(tmp_path / "sliver.png")
+    assert err.value.reason == "extreme_aspect_ratio" and "1x10000" in err.value.detail
+    Image.new("RGB", (60, 3)).save(tmp_path / "wide.png")
+    assert load_image(tmp_path / "wide.png", max_aspect_ratio=20).size == (60, 3)
+    with pytest.raises(BadImage, match="extreme_aspect_ratio"):
+        load_image(tmp_path / "wide.png", max_aspect_ratio=10)
+
+
+def test_centre_crop_resize_equals_resize_then_crop():
+    """The crop is taken in source coordinates, so it matches resizing the whole image
+    first (what the grid's prepare did) without its cost."""
+    from features.images import centre_crop_resize
+
+    rng = np.random.default_rng(0)
+    for w, h in [(64, 48), (48, 64), (100, 37), (224, 224), (31, 300), (500, 499)]:
+        image = Image.fromarray(rng.integers(0, 255, (h, w, 3), np.uint8))
+        size = 32
+        scale = size / min(w, h)
+        resized = image.resize(
+            (max(round(w * scale), size), max(round(h * scale), size)), Image.BILINEAR
+        )
+        left, top = (resized.width - size) // 2, (resized.height - size) // 2
+        old = np.asarray(resized.crop((left, top, left + size, top + size)), dtype=int)
+        new = np.asarray(centre_crop_resize(image, size), dtype=int)
+        assert new.shape == (size, size, 3)
+        assert np.abs(new - old).max() <= 1, (w, h)
+
+
+SLIVERS = """
+import resource, sys, tempfile
+from PIL import Image
+from features.images import BadImage, centre_crop_resize, load_image
+w, h = int(sys.argv[1]), int(sys.argv[2])
+image = Image.new("RGB", (w, h), (10, 20, 30))
+path = tempfile.mktemp(suffix=".png")
+image.save(path)
+centre_crop_resize(Image.new("RGB", (64, 64)), 224)  # warm up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+crop = centre_crop_resize(image, 224)
+try:
+    load_image(path)
+except BadImage as err:
+    assert err.reason == "extreme_aspect_ratio"
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert crop.size == (224, 224), crop.size
+print((after - before) // 1024)
+"""
+
+
+@pytest.mark.parametrize("w, h", [(1, 10_000), (10_000, 1), (3, 30_000), (20_000, 7)])
+def test_peak_memory_of_extreme_slivers_is_bounded(w, h):
+    """Resizing the whole 1 x 10000 image to a 224 shorter side first cost ~1.5 GB."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {"PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", SLIVERS, str(w), str(h)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert int(out.stdout) < 20, f"{w}x{h}: peak grew by {out.stdout.strip()} MB"

@@ -2,7 +2,9 @@
 
 import csv
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -14,6 +16,7 @@ from features.ingest import (
     IngestError,
     PrepareConfig,
     check_path,
+    prepare,
     read_manifest,
     validate,
     write_manifest,
@@ -81,7 +84,9 @@ def karpathy(tmp_path):
 def run_reader(fmt, annotations, images, **cfg):
     cfg = PrepareConfig(format=fmt, **cfg)
     dataset = READERS[fmt](annotations, images, cfg)
-    return dataset, *validate(dataset, images, cfg.captions_per_image)
+    return dataset, *validate(
+        dataset, images, cfg.captions_per_image, allow_symlinks_outside=cfg.allow_symlinks_outside
+    )
 
 
 def test_karpathy_reader_validates_every_problem(karpathy):
@@ -104,6 +109,10 @@ def test_karpathy_reader_validates_every_problem(karpathy):
         "empty_caption": 3,
         "non_utf8_text": 1,
         "no_captions": 1,
+        "bad_label": 0,
+        "bad_boxes": 0,
+        "bad_box_names": 0,
+        "symlink_escapes_root": 0,
         "caption_count": 3,
     }
     assert report.records_read == 13 and report.records_kept == 7
@@ -274,3 +283,119 @@ def test_prepare_cli_fails_over_the_error_threshold(tmp_path, karpathy, capsys):
     err = capsys.readouterr().err
     assert "8 of 13 records" in err and str(out / "errors.csv") in err
     assert (out / "errors.csv").exists() and not (out / "manifest.parquet").exists()
+
+
+def karpathy_with(tmp_path, images: list[dict], **top):
+    """A Karpathy JSON of the given image entries (five captions each unless given), with
+    their image files."""
+    root = tmp_path / "images"
+    for image in images:
+        image.setdefault("split", "train")
+        image.setdefault("sentences", sentences(FIVE))
+        if isinstance(image.get("filename"), str) and image["filename"]:
+            touch(root / image["filename"])
+    path = tmp_path / "dataset.json"
+    path.write_text(json.dumps({"dataset": "x", "images": images, **top}))
+    return path, root
+
+
+def test_malformed_optional_fields_are_error_rows_never_a_crash(tmp_path):
+    """The record is dropped as an error (reason, key, detail), the rest is written."""
+    bad = {
+        "l_text": {"label": "cat"},
+        "l_big": {"label": 2**40},
+        "l_neg": {"label": -1},
+        "l_bool": {"label": True},
+        "l_range": {"label": 6},
+        "b_three": {"boxes": [[1, 2, 3]]},
+        "b_text": {"boxes": [["a", 1, 2, 3]]},
+        "b_flat": {"boxes": [1, 2, 3, 4]},
+        "b_nan": {"boxes": [[0, 0, float("nan"), 4]]},
+        "b_huge": {"boxes": [[0, 0, 1e39, 4]]},
+        "b_order": {"boxes": [[5, 0, 1, 4]]},
+        "b_str": {"boxes": "0 0 1 1"},
+        "n_ints": {"boxes": [[0, 0, 1, 1]], "box_names": [1]},
+        "n_count": {"boxes": [[0, 0, 1, 1]], "box_names": ["a", "b"]},
+        "n_alone": {"box_names": ["a"]},
+        "n_str": {"boxes": [[0, 0, 1, 1]], "box_names": "a"},
+    }
+    images = [{"filename": "ok.jpg", "label": 3, "boxes": [[0, 0, 2, 2]], "box_names": ["x"]}]
+    images += [{"filename": f"{key}.jpg", **fields} for key, fields in bad.items()]
+    annotations, root = karpathy_with(tmp_path, images, class_names=list("abcdef"))
+    cfg = PrepareConfig(format="demo", max_error_fraction=1.0)
+    out = tmp_path / "out"
+    summary = prepare(
+        annotations, root, cfg, out / "m.parquet", out / "e.csv", out / "j.json", log=print
+    )
+    assert summary["records_kept"] == 1
+    manifest = read_manifest(out / "m.parquet").table.to_pylist()
+    assert [r["key"] for r in manifest] == ["ok"] and manifest[0]["label"] == 3
+    with open(out / "e.csv") as f:
+        rows = {r["key"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(bad)
+    for key, row in rows.items():
+        reason = {"l": "bad_label", "b": "bad_boxes", "n": "bad_box_names"}[key[0]]
+        assert (row["severity"], row["reason"]) == ("error", reason), key
+        assert row["detail"]
+    assert summary["counts"]["bad_boxes"] == 7 and summary["counts"]["bad_label"] == 5
+
+
+def test_a_symlink_out_of_the_images_root_is_refused(tmp_path):
+    repo = tmp_path / "repo"
+    images = repo / "data" / "images"
+    touch(images / "inside.jpg")
+    touch(tmp_path / "secret" / "outside.jpg")
+    touch(repo / ".dvc" / "cache" / "files" / "md5" / "ab" / "cdef")
+    (images / "evil.jpg").symlink_to(tmp_path / "secret" / "outside.jpg")
+    (images / "dir").symlink_to(tmp_path / "secret")  # a folder link leaving the root
+    (images / "dvc.jpg").symlink_to(repo / ".dvc" / "cache" / "files" / "md5" / "ab" / "cdef")
+    (images / "alias.jpg").symlink_to("inside.jpg")  # stays inside: fine
+    entries = [{"filename": n} for n in ("inside.jpg", "evil.jpg", "dvc.jpg", "alias.jpg")]
+    entries.append({"filename": "outside.jpg", "filepath": "dir"})
+    annotations = tmp_path / "d.json"
+    annotations.write_text(
+        json.dumps(
+            {"images": [{"split": "train", "sentences": sentences(FIVE), **e} for e in entries]}
+        )
+    )
+    dataset, records, report = run_reader("karpathy", annotations, images)
+    assert {r.key for r in records} == {"inside", "dvc", "alias"}
+    assert {(i.key, i.reason) for i in report.errors} == {
+        ("evil", "symlink_escapes_root"),
+        ("outside", "symlink_escapes_root"),
+    }
+    assert "allow_symlinks_outside" in report.errors[0].detail
+    _, records, report = run_reader("karpathy", annotations, images, allow_symlinks_outside=True)
+    assert len(records) == 5 and report.errors == []
+
+
+def test_two_prepare_runs_on_one_output_do_not_collide(tmp_path):
+    build_dataset(DemoConfig(n_train=30, n_val=5, n_test=5), tmp_path / "demo")
+    out = tmp_path / "out"
+    args = [
+        "vse",
+        "prepare",
+        "--annotations",
+        str(tmp_path / "demo/dataset.json"),
+        "--images",
+        str(tmp_path / "demo/images"),
+        "--out",
+        str(out / "manifest.parquet"),
+        "--errors",
+        str(out / "errors.csv"),
+        "--metrics",
+        str(out / "metrics.json"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n  format: demo\n")
+    runs = [
+        subprocess.Popen([args[0], "--params", str(params), *args[1:]], env=env) for _ in range(2)
+    ]
+    assert [p.wait() for p in runs] == [0, 0]
+    assert read_manifest(out / "manifest.parquet").table.num_rows == 40
+    assert sorted(p.name for p in out.iterdir()) == [
+        "errors.csv",
+        "manifest.parquet",
+        "metrics.json",
+    ]

@@ -84,3 +84,16 @@ def test_errors_name_the_problem():
         retrieval_metrics(torch.zeros(2, 2), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="expected \\(3,\\)"):
         retrieval_metrics(torch.zeros(2, 3), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_similarities_are_refused_not_ranked(value):
+    """A NaN never compares greater, so it would rank first and raise the scores."""
+    from features.finite import NonFiniteError
+
+    sims = torch.rand(4, 8)
+    sims[2, 5] = value
+    with pytest.raises(NonFiniteError, match="image 2 and caption 5"):
+        retrieval_metrics(sims, torch.arange(8) // 2)
+    with pytest.raises(NonFiniteError, match="image 2 and caption 5"):
+        fold_metrics(sims, torch.arange(8) // 2, fold_size=2)

@@ -149,3 +149,108 @@ def test_cli_import_and_export(tmp_path, repo_root, monkeypatch):
     )
     assert np.load(tmp_path / "e" / "train_ims.npy").shape == (6, 36, 16)
     assert read_manifest(tmp_path / "m.parquet").table.num_rows == 6
+
+
+def test_precomp_rows_with_nan_or_inf_are_stored_invalid_and_reported(tmp_path):
+    src = tmp_path / "p"
+    src.mkdir()
+    ims = make_precomp(src, "test", 6, ids=False)
+    ims[1, 3, 5] = np.nan
+    ims[4, 0, 0] = 1e9  # finite as float32, infinite in the float16 store
+    np.save(src / "test_ims.npy", ims)
+    messages = []
+    import_precomp(
+        src, ["test"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG, log=messages.append
+    )
+    store = Store.open(tmp_path / "r.zarr")
+    assert {k: v[0] for k, v in store.notes().items()} == {
+        "test_000001": "non_finite",
+        "test_000004": "non_finite",
+    }
+    data = store.read(0, 6)
+    assert data["valid"].tolist() == [1, 0, 1, 1, 0, 1]
+    assert data["n_regions"].tolist() == [36, 0, 36, 36, 0, 36]
+    assert np.isfinite(data["features"].astype(np.float32)).all()
+    assert "test_000001 (features)" in " ".join(messages)
+
+
+def test_tsv_rows_with_nan_are_stored_invalid_and_reported(tmp_path):
+    src = tmp_path / "p"
+    src.mkdir()
+    make_precomp(src, "test", 3, ids=False)
+    manifest = import_precomp(src, ["test"], tmp_path / "m.parquet", tmp_path / "x.zarr", CFG)
+    rng = np.random.default_rng(0)
+    boxes = rng.random((4, 4)) * 100
+    boxes[2, 1] = np.inf
+    rows = [(str(i), rng.random((4, 4)) * 100, rng.random((4, 8))) for i in range(3)]
+    rows[1] = ("1", boxes, rng.random((4, 8)))
+    write_tsv(tmp_path / "a.tsv", rows)
+    import_butd_tsv([tmp_path / "a.tsv"], manifest, tmp_path / "r.zarr", CFG, max_regions=4)
+    store = Store.open(tmp_path / "r.zarr")
+    assert store.notes() == {"test_000001": ["non_finite", "boxes: NaN or infinite values"]}
+    assert store.read(0, 3)["valid"].tolist() == [1, 0, 1]
+    assert np.isfinite(store.read(0, 3)["boxes"]).all()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d, p: p.write_bytes(p.read_bytes()[:-7]), "test_ims.npy: not a readable .npy"),
+        (lambda d, p: p.write_bytes(p.read_bytes()[:60]), "test_ims.npy: not a readable .npy"),
+        (lambda d, p: p.write_bytes(b"garbage"), "test_ims.npy: not a readable .npy"),
+        (
+            lambda d, p: np.save(p, np.array([{"a": 1}], dtype=object)),
+            "test_ims.npy: not a readable .npy",
+        ),
+        (lambda d, p: np.save(p, np.zeros((0, 36, 16))), "holds no features"),
+        (lambda d, p: np.save(p, np.zeros((3, 16))), "expected real numbers of shape"),
+        (lambda d, p: np.save(p, np.zeros((3, 2, 2), complex)), "expected real numbers"),
+        (lambda d, p: (d / "test_caps.txt").write_bytes(b"ok\ncaf\xe9\n"), "test_caps.txt:2: not"),
+        (lambda d, p: (d / "test_ids.txt").write_text("1 1 2 3"), "id '1' occurs more than once"),
+    ],
+)
+def test_bad_precomp_files_are_one_line_errors_and_nothing_is_written(tmp_path, damage, message):
+    src = tmp_path / "p"
+    src.mkdir()
+    make_precomp(src, "train", 4)
+    make_precomp(src, "test", 4)
+    damage(src, src / "test_ims.npy")
+    out = tmp_path / "out"
+    with pytest.raises(IngestError, match=message) as err:
+        import_precomp(src, ["train", "test"], out / "m.parquet", out / "r.zarr", CFG)
+    assert "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_malformed_tsv_rows_are_named_and_stored_empty(tmp_path):
+    src = tmp_path / "p"
+    src.mkdir()
+    make_precomp(src, "test", 5, ids=False)
+    manifest = import_precomp(src, ["test"], tmp_path / "m.parquet", tmp_path / "x.zarr", CFG)
+    rng = np.random.default_rng(0)
+    write_tsv(
+        tmp_path / "a.tsv", [(str(i), rng.random((3, 4)), rng.random((3, 8))) for i in (0, 1)]
+    )
+    with open(tmp_path / "a.tsv", "a") as f:
+        f.write("2\t640\t480\t3\tnot base64!\tAAAA\n")  # bad boxes
+        f.write("3\t640\t480\n")  # too few fields
+        f.write("4\t640\t480\t1\tAAAAAAAAAAAAAAAAAAAAAA==\tAAAAAA==\n")  # 16 bytes, 1 feature of 1
+    messages = []
+    missing = import_butd_tsv(
+        [tmp_path / "a.tsv"], manifest, tmp_path / "r.zarr", CFG, log=messages.append
+    )
+    assert missing == []
+    notes = Store.open(tmp_path / "r.zarr").notes()
+    assert (
+        notes["test_000002"][0] == "malformed_row" and "a.tsv:3: boxes" in notes["test_000002"][1]
+    )
+    assert "a.tsv:4: 3 tab-separated fields" in notes["test_000003"][1]
+    assert "features of 1 values per box, others 8" in notes["test_000004"][1]
+    assert Store.open(tmp_path / "r.zarr").read(0, 5)["valid"].tolist() == [1, 1, 0, 0, 0]
+    assert "3 images stored empty (valid = 0) for malformed_row" in messages[0]
+    (tmp_path / "b.tsv").write_bytes(b"\xff\xfe\t1\n")
+    with pytest.raises(IngestError, match="b.tsv:1: image_id .* is not ASCII"):
+        import_butd_tsv([tmp_path / "b.tsv"], manifest, tmp_path / "s.zarr", CFG)
+    write_tsv(tmp_path / "c.tsv", [("0", rng.random((1, 4)), rng.random((1, 8)))] * 2)
+    with pytest.raises(IngestError, match="c.tsv:2: image_id '0' already at .*c.tsv:1"):
+        import_butd_tsv([tmp_path / "c.tsv"], manifest, tmp_path / "s.zarr", CFG)

@@ -21,6 +21,7 @@ from features.store import (
     join_by_key,
     ragged_fields,
     regions_fields,
+    verify_store,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -68,8 +69,8 @@ def test_round_trip_random_access_and_verify(tmp_path, kind):
 def test_few_files_per_store(tmp_path):
     job.run(tmp_path / "s.zarr", "regions", 64, 32)
     data_files = [f for f in (tmp_path / "s.zarr").rglob("*") if f.is_file()]
-    # 4 fields x 2 shards + keys + 2 markers + 7 zarr.json
-    assert len(data_files) == 4 * 2 + 1 + 2 + 7
+    # 4 fields x 2 shards + keys + 2 markers + checksum manifest + 8 zarr.json
+    assert len(data_files) == 4 * 2 + 1 + 2 + 1 + 8
 
 
 @pytest.mark.parametrize("kind", ["regions", "tokens"])
@@ -252,3 +253,134 @@ def test_compressed_store_reads_through_zarr(tmp_path):
     store = Store.open(tmp_path / "z.zarr")
     assert not store._mappable and store.verify() == []
     np.testing.assert_array_equal(store.read(2, 19)["f"], data[2:19])
+
+
+def damaged_copies(root: Path):
+    """Every way of damaging each file of a store once: (file, what, damage) where
+    ``damage()`` changes the file and returns a function that restores it."""
+    for path in sorted(f for f in root.rglob("*") if f.is_file()):
+        data = path.read_bytes()
+        positions = sorted({0, len(data) // 2, len(data) - 1})
+        for pos in positions:
+
+            def flip(path=path, data=data, pos=pos):
+                changed = bytearray(data)
+                changed[pos] ^= 0x01
+                path.write_bytes(bytes(changed))
+
+            yield path, f"byte {pos} flipped", flip, data
+        yield (
+            path,
+            "truncated",
+            lambda path=path, data=data: path.write_bytes(data[: len(data) // 2]),
+            data,
+        )
+
+
+@pytest.mark.parametrize("kind", ["regions", "tokens"])
+def test_verify_names_any_damaged_byte_of_any_file(tmp_path, kind):
+    """Array metadata, keys, root attributes, commit markers, chunks and the checksum
+    manifest itself: one flipped byte or a truncation anywhere is named, never missed."""
+    root = tmp_path / "s.zarr"
+    job.run(root, kind, 10, 8)
+    assert verify_store(root) == []
+    kinds = {str(f.relative_to(root)).split("/")[0] for f in root.rglob("*") if f.is_file()}
+    assert {"zarr.json", "keys", "_commits", "_checksums", "features"} <= kinds
+    checked, n_files = 0, sum(1 for f in root.rglob("*") if f.is_file())
+    for path, what, damage, original in damaged_copies(root):
+        rel = str(path.relative_to(root))
+        damage()
+        problems = verify_store(root)
+        path.write_bytes(original)
+        assert any(p.startswith(f"{rel}:") for p in problems), (rel, what, problems)
+        checked += 1
+    assert checked >= 3 * n_files and verify_store(root) == []
+
+
+def test_the_checksum_manifest_checks_itself_at_every_byte(tmp_path):
+    """Whatever byte of the manifest changes (to any of a few values, whitespace
+    included), and wherever it is cut, it no longer passes as a manifest."""
+    from features.store import CHECKSUMS_CHUNK, parse_checksums
+
+    job.run(tmp_path / "s.zarr", "regions", 10, 8)
+    data = (tmp_path / "s.zarr" / CHECKSUMS_CHUNK).read_bytes()
+    assert len(parse_checksums(data)) == sum(1 for f in (tmp_path / "s.zarr").rglob("*")) - (
+        sum(1 for f in (tmp_path / "s.zarr").rglob("*") if f.is_dir()) + 1
+    )
+    variants = [data[:n] for n in range(len(data))] + [data + b" "]
+    for pos in range(len(data)):
+        for mask in (0x01, 0x20, 0x80):
+            changed = bytearray(data)
+            changed[pos] ^= mask
+            variants.append(bytes(changed))
+    for variant in variants:
+        with pytest.raises(ValueError):
+            parse_checksums(variant)
+
+
+def test_verify_of_a_damaged_store_is_one_line_per_problem_not_a_traceback(tmp_path, capsys):
+    from flows.cli import main
+
+    root = tmp_path / "s.zarr"
+    job.run(root, "regions", 10, 8)
+    (root / "zarr.json").write_bytes((root / "zarr.json").read_bytes()[:40])
+    assert main(["store", "verify", str(root)]) == 1
+    out, err = capsys.readouterr()
+    assert "zarr.json: corrupt" in out and "Traceback" not in out + err
+    assert main(["store", "info", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "zarr.json" in err and len(err.splitlines()) == 1
+    with pytest.raises(StoreError, match="vse store verify"):
+        Store.open(root)
+
+
+def test_verify_names_a_damaged_commit_marker_of_an_incomplete_store(tmp_path):
+    target = tmp_path / "s.zarr"
+    keys = [f"img{i:04d}" for i in range(16)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+    with StoreWriter(target, "regions", job.fields_for("regions"), keys, job.PROVENANCE, cfg) as w:
+        w.write_shard(0, job.shard_data("regions", 0, 8))
+    root = incomplete_path(target)
+    assert verify_store(root) == ["shard 1: not committed (store incomplete)"]
+    marker = root / "_commits/c/0"
+    marker.write_bytes(marker.read_bytes()[:-3])
+    problems = verify_store(root)
+    assert any(p.startswith("_commits/c/0:") for p in problems), problems
+
+
+def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
+    from flows.cli import main
+
+    job.run(tmp_path / "a.zarr", "regions", 10, 8)
+    job.run(tmp_path / "b.zarr", "tokens", 10, 8)
+    (tmp_path / "a.zarr" / "zarr.json").write_bytes(b'{"attributes": {"vse": {"kin')
+    assert main(["store", "ls", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "b.zarr" in out and "complete" in out
+    assert "a.zarr" in out and "damaged" in out and "Traceback" not in out + err
+
+
+def test_kill_at_any_write_resumes_or_restarts_to_the_same_store(tmp_path):
+    """SIGKILL before each rename that puts a file in place (creation, shards,
+    finalization, the move into place): a rerun ends with the uninterrupted store."""
+    job.run(tmp_path / "clean.zarr", "regions", 10, 4)
+    clean = files_of(tmp_path / "clean.zarr")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    args = [sys.executable, str(JOB), str(tmp_path / "count.zarr"), "regions", "10", "4"]
+    done = subprocess.run(
+        args, env={**env, "VSE_TEST_KILL_AT_WRITE": "-1"}, capture_output=True, text=True
+    )
+    writes = int(done.stdout.split("writes ")[-1])
+    assert writes > 20
+    points = range(writes)  # every one: creation, each shard's files, finalization
+    each = [sys.executable, str(JOB), "--kill-each", str(tmp_path / "k"), "regions", "10", "4"]
+    result = subprocess.run(
+        [*each, ",".join(map(str, points))], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [f"{k} killed 0" for k in points]
+    for k in points:
+        target = tmp_path / f"k{k}.zarr"
+        assert files_of(target) == clean, k
+        assert not incomplete_path(target).exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".k{k}.")] == []

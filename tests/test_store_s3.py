@@ -71,3 +71,21 @@ def test_verify_names_a_corrupt_shard_on_s3(s3, capsys):
     assert "features/c/1/0/0: corrupt" in capsys.readouterr().out
     assert main(["store", "info", url, "--json", "--storage-options", json.dumps(options)]) == 0
     assert '"kind": "regions"' in capsys.readouterr().out
+
+
+def test_verify_names_damaged_metadata_keys_and_markers_on_s3(s3, capsys):
+    import json
+
+    fs, options, local = s3
+    url = "s3://stores/meta.zarr"
+    fs.put(str(local), "stores/meta.zarr", recursive=True)
+    for rel in ("zarr.json", "keys/c/0", "_commits/c/1", "boxes/zarr.json"):
+        data = fs.cat_file(f"stores/meta.zarr/{rel}")
+        fs.pipe(f"stores/meta.zarr/{rel}", data[: len(data) // 2])
+    assert main(["store", "verify", url, "--storage-options", json.dumps(options)]) == 1
+    out, err = capsys.readouterr()
+    for rel in ("zarr.json", "keys/c/0", "_commits/c/1", "boxes/zarr.json"):
+        assert f"{url}: {rel}: corrupt" in out
+    assert "Traceback" not in out + err
+    assert main(["store", "info", url, "--storage-options", json.dumps(options)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {url}: its metadata")

@@ -119,3 +119,47 @@ def test_extract_text_store(encoder, tmp_path):
     }
     assert set(vocab["words"][4:]) == train_words  # fitted on train only
     assert store.verify() == []
+
+
+def test_captions_with_non_finite_features_are_stored_invalid_and_reported(
+    encoder, tmp_path, monkeypatch
+):
+    import features.text as text
+
+    real = text.encode_in_length_order
+
+    def broken(encoder, texts, *args, **kwargs):
+        results = real(encoder, texts, *args, **kwargs)
+        for caption, result in zip(texts, results, strict=True):
+            if caption.endswith("1"):
+                result["features"][2, 3] = np.nan
+            if caption.endswith("5"):
+                result["document"][0] = 1e6  # finite as float32, infinite as float16
+        return results
+
+    monkeypatch.setattr(text, "encode_in_length_order", broken)
+    keys, texts = [f"img{i}#0" for i in range(6)], [f"a caption number {i}" for i in range(6)]
+    vocab = {**build_vocab(texts, 1), "tfidf_terms": ["a"], "idf": [1.0]}
+    messages = []
+    text.write_text_store(
+        keys,
+        texts,
+        vocab,
+        encoder,
+        TextConfig(),
+        "w" * 64,
+        "m" * 64,
+        tmp_path / "t.zarr",
+        StoreConfig(samples_per_shard=4, samples_per_chunk=2),
+        log=messages.append,
+    )
+    store = Store.open(tmp_path / "t.zarr")
+    assert store.notes() == {
+        "img1#0": ["non_finite", "features: NaN or infinite values"],
+        "img5#0": ["non_finite", "document: NaN or infinite values"],
+    }
+    data = store.read(0, 6)
+    assert data["valid"].tolist() == [1, 0, 1, 1, 1, 0]
+    assert all(np.isfinite(f.astype(np.float32)).all() for f in data["features"])
+    assert np.isfinite(data["document"].astype(np.float32)).all()
+    assert any("2 captions stored empty" in m and "img1#0 (features)" in m for m in messages)

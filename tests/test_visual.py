@@ -15,7 +15,7 @@ from PIL import Image
 from torchvision.ops import roi_align
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import extract_images
+from features.extract import extract_images, report_bad_images
 from features.global_features import extract_global, fit_pca, project
 from features.ingest import (
     READERS,
@@ -26,7 +26,7 @@ from features.ingest import (
     validate,
     write_manifest,
 )
-from features.store import Store, StoreConfig, incomplete_path
+from features.store import FieldSpec, Store, StoreConfig, incomplete_path
 from features.visual import (
     GridExtractor,
     RegionExtractor,
@@ -273,7 +273,7 @@ JOB = """
 import sys
 from pathlib import Path
 import torch
-from features.extract import extract_images
+from features.extract import extract_images, report_bad_images
 from features.ingest import read_manifest
 from features.store import StoreConfig
 from features.visual import GridExtractor, build_trunk
@@ -305,7 +305,67 @@ def test_killed_extraction_resumes_to_the_same_store(demo, tmp_path):
     subprocess.run([*run, str(tmp_path / "killed.zarr")], check=True, env=env)
 
     def data_files(path):
-        return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))}
+        return {
+            str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()
+        }
 
     assert data_files(tmp_path / "killed.zarr") == data_files(tmp_path / "clean.zarr")
     assert Store.open(tmp_path / "killed.zarr").verify() == []
+
+
+class NonFiniteExtractor:
+    """Features made up per key: NaN for one image, a float32 value that overflows the
+    float16 field for another, infinity in a float32 field for a third."""
+
+    kind, name, device = "grid", "non-finite-test", CPU
+    BAD = {"train_00001": "features", "train_00002": "features", "val_00000": "pooled"}
+
+    def fields(self):
+        return {"features": FieldSpec((3,), "float16"), "pooled": FieldSpec((2,), "float32")}
+
+    def prepare(self, image, row):
+        return {"key": row["key"]}
+
+    def __call__(self, items):
+        out = []
+        for item in items:
+            features, pooled = np.ones(3, np.float32), np.ones(2, np.float32)
+            if item["key"] == "train_00001":
+                features[1] = np.nan
+            if item["key"] == "train_00002":
+                features[0] = 1e6  # finite here, infinite as float16
+            if item["key"] == "val_00000":
+                pooled[0] = -np.inf
+            out.append({"features": features, "pooled": pooled})
+        return out
+
+    def empty(self):
+        return {"features": np.zeros(3, np.float16), "pooled": np.zeros(2, np.float32)}
+
+    def provenance_params(self):
+        return {}
+
+
+def test_non_finite_features_are_stored_invalid_and_reported(demo, tmp_path):
+    root, manifest = demo
+    cfg = grid_cfg()
+    extract_images(
+        NonFiniteExtractor(), manifest, root / "images", tmp_path / "n.zarr", cfg, LAYOUT
+    )
+    store = Store.open(tmp_path / "n.zarr")
+    notes = store.notes()
+    assert {k: v[0] for k, v in notes.items()} == dict.fromkeys(
+        NonFiniteExtractor.BAD, "non_finite"
+    )
+    for key, field in NonFiniteExtractor.BAD.items():
+        assert field in notes[key][1]
+    data = store.read(0, len(store))
+    assert np.isfinite(data["features"].astype(np.float32)).all()
+    assert np.isfinite(data["pooled"]).all()
+    valid = dict(zip(store.keys, data["valid"], strict=True))
+    assert [k for k, v in valid.items() if not v] == sorted(NonFiniteExtractor.BAD)
+    summary = report_bad_images(
+        tmp_path / "n.zarr", tmp_path / "e.csv", tmp_path / "m.json", 1.0, log=lambda m: None
+    )
+    assert summary["counts"] == {"non_finite": 3}
+    assert "train_00001,error,non_finite," in (tmp_path / "e.csv").read_text()

@@ -33,12 +33,19 @@ def _url_arguments(p) -> None:
 
 
 def run_ls(args, params) -> int:
-    from features.store import Store, find_stores
+    """Every store under the folder; a damaged one is listed as such (exit 1), the others
+    still are."""
+    from features.store import Store, StoreError, find_stores
 
-    rows = []
+    rows, damaged = [], []
     for path in find_stores(args.root):
-        store = Store.open(path, require_complete=False)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        try:
+            store = Store.open(path, require_complete=False)
+        except StoreError as err:
+            damaged.append(str(err))
+            rows.append((str(path), "?", "?", "damaged", "?", f"{size / 2**20:.1f} MB"))
+            continue
         state = (
             "complete"
             if store.committed.all()
@@ -61,7 +68,9 @@ def run_ls(args, params) -> int:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return 0
+    for message in damaged:
+        print(f"error: {message}", file=sys.stderr)
+    return 1 if damaged else 0
 
 
 def run_info(args, params) -> int:
@@ -76,15 +85,19 @@ def run_info(args, params) -> int:
 
 
 def run_verify(args, params) -> int:
-    from features.store import Store
+    from features.store import Store, verify_store
 
-    store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
-    problems = store.verify()
+    problems = verify_store(args.url, _storage_options(args))
     for problem in problems:
         print(f"{args.url}: {problem}")
     if problems:
-        print(f"verify: {len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        print(
+            f"verify: {len(problems)} problem(s) in {args.url}; rebuild the store (dvc repro) "
+            "or restore it from the DVC cache (dvc checkout)",
+            file=sys.stderr,
+        )
         return 1
+    store = Store.open(args.url, storage_options=_storage_options(args))
     print(f"verify: {args.url} is intact ({len(store)} samples, all shards committed)")
     return 0
 
