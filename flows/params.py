@@ -1,7 +1,8 @@
 """``params.yaml``: the project's only config file, validated as a whole before any work.
 
-Each stage owns its section's typed model, next to the code that uses it; :data:`SECTIONS`
-names them by import path and :func:`params_model` composes them into one model. Unknown
+Each stage owns its section's typed model, next to the code that uses it; the command that
+introduces a section names it by import path (``Command.owns``), :func:`sections` collects
+them and :func:`params_model` composes them into one model. Unknown
 keys and wrong types fail with the full key path, e.g. ``params.yaml: prepare.
 max_eror_fraction: unknown key, did you mean max_error_fraction``.
 
@@ -23,36 +24,34 @@ from pydantic import Field, ValidationError, create_model
 
 from features.config import ConfigError, Section, format_errors
 
-# section -> "module:Class", in the order `vse params` prints them
-SECTIONS = {
-    "demo": "features.demo:DemoConfig",
-    "prepare": "features.ingest:PrepareConfig",
-    "store": "features.store:StoreConfig",
-    "shards": "features.shards:ShardsConfig",
-    "regions": "features.visual_config:RegionsConfig",
-    "grid": "features.visual_config:GridConfig",
-    "global": "features.global_features:GlobalConfig",
-    "sbert": "features.sbert_stats:SbertConfig",
-    "text": "features.text:TextConfig",
-    "scenegraph": "features.scenegraph:ScenegraphConfig",
-    "adversarial": "features.adversarial:AdversarialConfig",
-    "train": "models.common:TrainConfig",
-    "models": "models.registry",  # a section per model: models.<name> (see params_model)
-    "evaluate": "models.evaluate:EvaluateConfig",
-}
+MODELS = "models.registry"  # section `models`: one section per model, models.<name>
+
+
+@functools.cache
+def sections() -> dict[str, str]:
+    """Section -> ``"module:Class"``, from the commands that introduce them (in command
+    order; ``models`` from the model registry)."""
+    from flows.commands import discover
+
+    found: dict[str, str] = {}
+    for command in discover():
+        for name, target in command.owns.items():
+            if found.setdefault(name, target) != target:
+                raise RuntimeError(f"params section {name!r} is owned by two commands")
+    return found
 
 
 def section_class(name: str) -> type[Section]:
     """The typed model of section ``name``; ``models`` holds one section per model."""
     if name == "models":
-        registry = importlib.import_module(SECTIONS["models"])
+        registry = importlib.import_module(MODELS)
         model_class = registry.model_class
         fields = {
             m: (model_class(m).Config, Field(default_factory=model_class(m).Config))
             for m in registry.MODEL_NAMES
         }
         return create_model("ModelsConfig", __base__=Section, **fields)
-    module, _, cls = SECTIONS[name].partition(":")
+    module, _, cls = sections()[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -61,9 +60,8 @@ def section_module(key: str) -> str:
     ``features.text``, ``models.vsepp`` -> ``models.vsepp`` (each model's own file)."""
     name, _, sub = key.partition(".")
     if name == "models":
-        registry = importlib.import_module(SECTIONS["models"])
-        return registry.model_module(sub) if sub else SECTIONS["models"]
-    return SECTIONS[name].partition(":")[0]
+        return importlib.import_module(MODELS).model_module(sub) if sub else MODELS
+    return sections()[name].partition(":")[0]
 
 
 @functools.cache
@@ -71,7 +69,7 @@ def params_model() -> type[Section]:
     """All sections of params.yaml as one model; a missing section takes its defaults.
     Attribute names are the section names (``global`` is ``global_``)."""
     fields: dict[str, Any] = {}
-    for name in SECTIONS:
+    for name in sections():
         cls = section_class(name)
         attr = f"{name}_" if name == "global" else name
         fields[attr] = (cls, Field(default_factory=cls, alias=name))

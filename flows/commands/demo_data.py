@@ -37,5 +37,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("demo",),
+        owns={"demo": "features.demo:DemoConfig"},
     )
 ]

@@ -55,5 +55,6 @@ COMMANDS = [
         arguments=evaluate_arguments,
         run=run_evaluate,
         sections=("evaluate",),
+        owns={"evaluate": "models.evaluate:EvaluateConfig"},
     ),
 ]

@@ -55,5 +55,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("adversarial", "text", "store"),
+        owns={"adversarial": "features.adversarial:AdversarialConfig"},
     )
 ]

@@ -40,5 +40,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("global", "store"),
+        owns={"global": "features.global_features:GlobalConfig"},
     )
 ]

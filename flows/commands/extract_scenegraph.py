@@ -57,5 +57,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("scenegraph",),
+        owns={"scenegraph": "features.scenegraph:ScenegraphConfig"},
     )
 ]

@@ -52,5 +52,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("text", "store"),
+        owns={"text": "features.text:TextConfig"},
     )
 ]

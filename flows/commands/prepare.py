@@ -44,5 +44,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("prepare",),
+        owns={"prepare": "features.ingest:PrepareConfig"},
     )
 ]

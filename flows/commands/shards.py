@@ -85,5 +85,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("shards",),
+        owns={"shards": "features.shards:ShardsConfig"},
     )
 ]

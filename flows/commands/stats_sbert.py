@@ -43,5 +43,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("sbert",),
+        owns={"sbert": "features.sbert_stats:SbertConfig"},
     )
 ]

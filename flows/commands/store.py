@@ -192,6 +192,7 @@ COMMANDS = [
         ),
         run=run_ls,
         sections=None,
+        owns={"store": "features.store:StoreConfig"},
     ),
     Command(
         "store info",

@@ -85,5 +85,6 @@ COMMANDS = [
         arguments=train_arguments,
         run=run_train,
         sections=("train", "models", "sbert"),
+        owns={"train": "models.common:TrainConfig", "models": "models.registry"},
     ),
 ]
