@@ -46,7 +46,8 @@ import os
 import shutil
 import socket
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +66,9 @@ LOCK = ".lock"
 SHARD_LOCKS = ".shard_locks"  # one lock file per shard held by a shard writer
 RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
 INCOMPLETE = ".incomplete"  # suffix of the folder a store is built in
+IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
+MAX_MAPS = 4096  # shard files a reader keeps mapped (each holds a file descriptor)
+CACHED_CHUNKS = 16  # chunks a reader of a remote or compressed store keeps
 
 
 class StoreConfig(Section):
@@ -649,6 +653,37 @@ class StoreWriter:
 # --------------------------------------------------------------------------- reader
 
 
+def take_rows(
+    part: Callable[[int], np.ndarray],
+    starts: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+    positions: np.ndarray | None = None,
+) -> None:
+    """``out[positions[i]] = R[rows[i]]`` where R is the rows of several arrays laid end
+    to end: ``part(k)`` holds rows ``starts[k]:`` up to the next start. One fancy-indexed
+    copy per part touched, no per-row Python work. ``positions`` defaults to
+    ``0..len(rows) - 1``; ``rows`` must be valid (the caller checks them)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return
+    if len(starts) == 1:
+        local = rows - starts[0]
+        if positions is None:  # one copy straight into the output ("clip": rows are valid,
+            np.take(part(0), local, axis=0, out=out, mode="clip")  # "raise" buffers)
+        else:
+            out[positions] = part(0)[local]
+        return
+    which = np.searchsorted(starts, rows, side="right") - 1  # (n,) part of each row
+    order = np.argsort(which, kind="stable")
+    cuts = np.flatnonzero(np.diff(which[order])) + 1
+    for group in np.split(order, cuts):
+        k = int(which[group[0]])
+        dest = group if positions is None else positions[group]
+        out[dest] = part(k)[rows[group] - starts[k]]
+
+
+
 def _open_group(url: str | Path, storage_options: dict | None = None):
     url = str(url)
     try:
@@ -684,7 +719,9 @@ class Store:
     storage_options: dict | None = None
     _key_index: dict[str, int] | None = field(default=None, repr=False)
     _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    _maps: dict = field(default_factory=dict, repr=False)
+    _maps: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _memory: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _chunks: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def open(
@@ -792,6 +829,21 @@ class Store:
                 "rerun the extraction to finish the store"
             )
 
+    def _checked(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as int64, each in range and in a committed shard."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
+            bad = indices[(indices < 0) | (indices >= len(self))][0]
+            raise IndexError(f"{self.url}: index {bad} out of range for {len(self)} samples")
+        shards = indices // self.samples_per_shard
+        if len(indices) and not self.committed[shards].all():
+            missing = sorted({int(k) for k in shards[~self.committed[shards]]})
+            raise StoreError(
+                f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
+                "extraction to finish the store"
+            )
+        return indices
+
     def offsets(self, name: str) -> np.ndarray:
         """(N+1,) row offsets of a ragged field: sample i is rows offsets[i]:offsets[i+1]."""
         if name not in self._offsets:
@@ -805,7 +857,7 @@ class Store:
         """Fields of samples ``start:stop``; a ragged field comes as a list of arrays.
 
         With ``copy=False`` dense fields of a local, uncompressed store may come back as
-        read-only views of the memory-mapped shard files (what the training loader uses).
+        read-only views of the memory-mapped shard files.
         """
         self._check_committed(start, stop)
         out: dict[str, Any] = {}
@@ -828,18 +880,22 @@ class Store:
         """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
         return self.attrs["layout"]["compression"] == "none" and "://" not in self.url
 
-    def _shard_file(self, name: str, shard: int, ndim: int) -> tuple[np.memmap, np.ndarray]:
-        """A shard file mapped into memory, and its index: (offset, nbytes) per chunk."""
+    def _shard_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
+        """Shard file ``shard`` (along axis 0) of array ``name`` (a field, or a ragged
+        field's rows) mapped into memory, and its index: (offset, nbytes) per chunk."""
         cache_key = (name, shard)
-        if cache_key not in self._maps:
-            if len(self._maps) >= 256:  # bound the open mappings
-                self._maps.pop(next(iter(self._maps)))
-            data = np.memmap(Path(self.url) / _chunk_key(name, shard, ndim), np.uint8, "r")
-            n_chunks = self.samples_per_shard // self.samples_per_chunk
-            # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
-            index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
-            self._maps[cache_key] = (data, index)
-        return self._maps[cache_key]
+        if cache_key in self._maps:
+            self._maps.move_to_end(cache_key)
+            return self._maps[cache_key]
+        if len(self._maps) >= MAX_MAPS:  # each mapping holds a file descriptor
+            self._maps.popitem(last=False)
+        array = self.group[name]
+        data = np.memmap(Path(self.url) / _chunk_key(name, shard, array.ndim), np.uint8, "r")
+        n_chunks = array.shards[0] // array.chunks[0]
+        # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
+        index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
+        self._maps[cache_key] = (data, index)
+        return data, index
 
     def _mapped(self, name: str, spec: FieldSpec, start: int, stop: int) -> np.ndarray:
         chunk, per_shard = self.samples_per_chunk, self.samples_per_shard
@@ -847,12 +903,105 @@ class Store:
         pieces = []
         for c in range(start // chunk, (stop - 1) // chunk + 1):
             shard, inner = divmod(c * chunk, per_shard)
-            data, index = self._shard_file(name, shard, 1 + len(spec.shape))
+            data, index = self._shard_file(name, shard)
             offset, nbytes = (int(v) for v in index[inner // chunk])
             values = data[offset : offset + nbytes].view(dtype).reshape(chunk, *spec.shape)
             lo, hi = max(start - c * chunk, 0), min(stop - c * chunk, chunk)
             pieces.append(values[lo:hi])
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _part(self, name: str, k: int) -> np.ndarray:
+        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array: a
+        view of its memory-mapped shard file, which holds its chunks back to back in order
+        (what the writer produces; a file laid out otherwise is read through Zarr)."""
+        array = self.group[name]
+        shard_rows, chunk_rows = array.shards[0], array.chunks[0]
+        row_shape = tuple(array.shape[1:])
+        dtype = np.dtype(array.dtype).newbyteorder("<")
+        data, index = self._shard_file(name, k)
+        n = -(-(min(array.shape[0], (k + 1) * shard_rows) - k * shard_rows) // chunk_rows)
+        chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        expected = np.stack([np.arange(n) * chunk_bytes, np.full(n, chunk_bytes)], 1)
+        if np.array_equal(index[:n], expected):
+            return data[: n * chunk_bytes].view(dtype).reshape(n * chunk_rows, *row_shape)
+        return self._zarr_part(name, k, shard_rows)
+
+    def _zarr_part(self, name: str, k: int, rows: int) -> np.ndarray:
+        """Rows ``k * rows:(k + 1) * rows`` of array ``name`` read through Zarr; the last
+        few are kept (remote and compressed stores read a chunk at a time)."""
+        key = (name, k, rows)
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+        else:
+            if len(self._chunks) >= CACHED_CHUNKS:
+                self._chunks.popitem(last=False)
+            self._chunks[key] = self.group[name][k * rows : (k + 1) * rows]
+        return self._chunks[key]
+
+    def _take(self, name: str, rows: np.ndarray, out: np.ndarray, positions=None) -> None:
+        """``out[positions] = rows`` of array ``name`` (a dense field's samples or a ragged
+        field's value rows; ``rows`` valid): from memory when the array is small (read
+        once), else one fancy-indexed copy per memory-mapped shard file touched (local,
+        uncompressed stores) or per chunk read through Zarr (remote or compressed)."""
+        array = self.group[name]
+        if name not in self._memory and array.nbytes <= IN_MEMORY_BYTES:
+            self._memory[name] = (
+                self._mapped_rows(name) if self._mappable else np.asarray(array[...])
+            )
+        if name in self._memory:
+            take_rows(lambda k: self._memory[name], np.zeros(1, np.int64), rows, out, positions)
+            return
+        if self._mappable:
+            unit, part = array.shards[0], self._part
+        else:
+            unit = array.chunks[0]
+
+            def part(name: str, k: int) -> np.ndarray:
+                return self._zarr_part(name, k, unit)
+
+        starts = np.arange(0, array.shape[0], unit, dtype=np.int64)
+        take_rows(lambda k: part(name, k), starts, rows, out, positions)
+
+    def _mapped_rows(self, name: str) -> np.ndarray:
+        """All rows of array ``name`` copied from its shard files."""
+        array = self.group[name]
+        n_files = -(-array.shape[0] // array.shards[0])
+        if not n_files:
+            return np.empty(array.shape, array.dtype)
+        return np.concatenate([self._part(name, k) for k in range(n_files)])[: array.shape[0]]
+
+    def gather(self, name: str, indices: Sequence[int], alloc=np.empty) -> np.ndarray:
+        """Dense field ``name`` of the samples at ``indices`` (any order, repeats allowed):
+        ``(len(indices), *shape)`` in the stored dtype, in an array from ``alloc(shape,
+        dtype)`` (e.g. a preallocated buffer), with one copy of the wanted samples only."""
+        indices = self._checked(indices)
+        spec = self.fields[name]
+        if spec.ragged:
+            raise StoreError(f"{self.url}: field {name!r} is ragged; use gather_ragged")
+        out = alloc((len(indices), *spec.shape), np.dtype(spec.dtype))
+        self._take(name, indices, out)
+        return out
+
+    def gather_ragged(
+        self, name: str, indices: Sequence[int], alloc=np.empty
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Ragged field ``name`` of the samples at ``indices``, zero-padded: ``(B, L,
+        *shape)`` with L the longest (at least 1), in an array from ``alloc``, and the
+        ``(B,)`` int64 lengths. Only the samples' own rows are copied."""
+        indices = self._checked(indices)
+        spec = self.fields[name]
+        if not spec.ragged:
+            raise StoreError(f"{self.url}: field {name!r} is dense; use gather")
+        offsets = self.offsets(name)
+        starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+        width = max(int(lengths.max(initial=0)), 1)
+        out = alloc((len(indices), width, *spec.shape), np.dtype(spec.dtype))
+        flat = out.reshape(len(indices) * width, *spec.shape)
+        valid = (np.arange(width)[None, :] < lengths[:, None]).reshape(-1)  # (B * L,)
+        rows = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)[valid]
+        self._take(name, rows, flat, np.flatnonzero(valid))
+        flat[~valid] = 0
+        return out, lengths
 
     def __getitem__(self, item: int | str) -> dict:
         index = self.index(item) if isinstance(item, str) else int(item)
@@ -861,25 +1010,36 @@ class Store:
         return {name: value[0] for name, value in self.read(index, index + 1).items()}
 
     def read_indices(self, indices: Sequence[int], fields: Sequence[str] | None = None) -> dict:
-        """Samples at arbitrary indices, in the given order (one read per touched chunk)."""
-        indices = np.asarray(indices, dtype=np.int64)
-        chunk = self.samples_per_chunk
-        order = np.argsort(indices, kind="stable")
-        parts: dict[str, list] = {name: [None] * len(indices) for name in fields or self.fields}
-        sorted_idx = indices[order]
-        boundaries = np.flatnonzero(np.diff(sorted_idx // chunk)) + 1
-        for group_pos in np.split(np.arange(len(indices)), boundaries):
-            if not len(group_pos):
+        """Samples at arbitrary indices, in the given order: dense fields stacked, ragged
+        ones as lists of arrays (views of one gathered block)."""
+        indices = self._checked(indices)
+        out: dict[str, Any] = {}
+        for name in fields or self.fields:
+            spec = self.fields[name]
+            if not spec.ragged:
+                out[name] = self.gather(name, indices)
                 continue
-            lo, hi = int(sorted_idx[group_pos[0]]), int(sorted_idx[group_pos[-1]]) + 1
-            block = self.read(lo, hi, fields)
-            for name, values in block.items():
-                for p in group_pos:
-                    parts[name][order[p]] = values[int(sorted_idx[p]) - lo]
-        return {
-            name: values if self.fields[name].ragged else np.stack(values)
-            for name, values in parts.items()
-        }
+            offsets = self.offsets(name)
+            starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+            ends = np.cumsum(lengths)
+            rows = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(
+                starts - (ends - lengths), lengths
+            )
+            values = np.empty((len(rows), *spec.shape), np.dtype(spec.dtype))
+            self._take(name, rows, values)
+            out[name] = np.split(values, ends[:-1])
+        return out
+
+    def __getstate__(self) -> dict:
+        """Picklable (e.g. for data-loading worker processes): handles are reopened."""
+        state = dict(self.__dict__)
+        state.update(group=None, _key_index=None, _maps=OrderedDict(), _memory={})
+        state["_chunks"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.group, _ = _open_group(self.url, self.storage_options)
 
     # -- integrity
 

@@ -252,3 +252,74 @@ def test_compressed_store_reads_through_zarr(tmp_path):
     store = Store.open(tmp_path / "z.zarr")
     assert not store._mappable and store.verify() == []
     np.testing.assert_array_equal(store.read(2, 19)["f"], data[2:19])
+
+
+def _naive(store, name, indices):
+    """One sample at a time, through Zarr: what the vectorised gathers must equal."""
+    group = zarr.open_group(store.url, mode="r")
+    if not store.fields[name].ragged:
+        return [group[name][i] for i in indices]
+    starts = list(group[f"{name}_offsets"][:]) + [group[name].shape[0]]
+    return [group[name][starts[i] : starts[i + 1]] for i in indices]
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_vectorised_gathers_equal_one_sample_at_a_time(tmp_path, monkeypatch, in_memory):
+    """Dense and ragged fields at arbitrary indices (repeats, across shard files, empty
+    samples), from memory or from the mapped shard files, and after pickling (workers)."""
+    import pickle
+
+    import features.store as store_module
+
+    if not in_memory:  # every array from its shard files
+        monkeypatch.setattr(store_module, "IN_MEMORY_BYTES", 0)
+    job.run(tmp_path / "r.zarr", "regions", 37, 8)
+    job.run(tmp_path / "t.zarr", "tokens", 37, 8)  # 0..8 rows per sample: some empty
+    indices = [36, 0, 17, 17, 8, 35, 3, 24]
+    regions = Store.open(tmp_path / "r.zarr")
+    for name in ("features", "boxes", "n_regions", "image_hw"):
+        got = regions.gather(name, indices)
+        assert got.dtype == np.dtype(regions.fields[name].dtype)
+        np.testing.assert_array_equal(got, np.stack(_naive(regions, name, indices)))
+    tokens = pickle.loads(pickle.dumps(Store.open(tmp_path / "t.zarr")))
+    expected = _naive(tokens, "features", indices)
+    assert any(len(e) == 0 for e in _naive(tokens, "features", range(37)))
+    padded, lengths = tokens.gather_ragged("features", indices)
+    assert lengths.tolist() == [len(e) for e in expected]
+    assert padded.shape == (len(indices), max(lengths), 16) and padded.dtype == np.float16
+    for row, length, want in zip(padded, lengths, expected, strict=True):
+        np.testing.assert_array_equal(row[:length], want)
+        assert not row[length:].any()  # zero padding
+    empty = [i for i in range(37) if len(_naive(tokens, "features", [i])[0]) == 0]
+    padded, lengths = tokens.gather_ragged("features", empty[:2])
+    assert padded.shape == (len(empty[:2]), 1, 16) and not padded.any() and not lengths.any()
+    listed = tokens.read_indices(indices)["features"]
+    for got, want in zip(listed, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # into a caller's buffer (a batch arena)
+    buffer = np.full(len(indices) * 6 * 16, 7, np.float16)
+    got = regions.gather("features", indices, alloc=lambda s, d: buffer[: np.prod(s)].reshape(s))
+    assert np.shares_memory(got, buffer)
+
+
+def test_gathers_refuse_bad_indices_and_read_compressed_stores(tmp_path):
+    job.run(tmp_path / "r.zarr", "regions", 20, 8)
+    store = Store.open(tmp_path / "r.zarr")
+    with pytest.raises(IndexError, match="index 20 out of range"):
+        store.gather("features", [3, 20])
+    with pytest.raises(StoreError, match="'features' is dense; use gather"):
+        store.gather_ragged("features", [1])
+    keys = [f"k{i}" for i in range(20)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4, compression="zstd")
+    data = np.random.default_rng(0).standard_normal((20, 3, 5)).astype(np.float16)
+    fields = {"f": job.regions_fields(3, 5)["features"], **ragged_fields(2, "r")}
+    with StoreWriter(tmp_path / "z.zarr", "x", fields, keys, job.PROVENANCE, cfg) as w:
+        for shard in w.pending_shards():
+            start, stop = w.shard_range(shard)
+            rows = [np.full((i % 3, 2), i) for i in range(start, stop)]
+            w.write_shard(shard, {"f": data[start:stop], "r": rows})
+    store = Store.open(tmp_path / "z.zarr")
+    assert not store._mappable
+    np.testing.assert_array_equal(store.gather("f", [19, 2, 9, 2]), data[[19, 2, 9, 2]])
+    padded, lengths = store.gather_ragged("r", [5, 3, 19])
+    assert lengths.tolist() == [2, 0, 1] and padded[0, :2].tolist() == [[5, 5], [5, 5]]
