@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -675,13 +676,37 @@ def take_rows(
             out[positions] = part(0)[local]
         return
     which = np.searchsorted(starts, rows, side="right") - 1  # (n,) part of each row
+    if positions is None and np.all(which[1:] >= which[:-1]):
+        # rows sorted by part: each part fills a contiguous slice, copied straight in
+        cuts = np.flatnonzero(np.diff(which)) + 1
+        for lo, hi in zip([0, *cuts], [*cuts, len(rows)], strict=True):
+            k = int(which[lo])
+            np.take(part(k), rows[lo:hi] - starts[k], axis=0, out=out[lo:hi], mode="clip")
+        return
     order = np.argsort(which, kind="stable")
     cuts = np.flatnonzero(np.diff(which[order])) + 1
     for group in np.split(order, cuts):
         k = int(which[group[0]])
         dest = group if positions is None else positions[group]
-        out[dest] = part(k)[rows[group] - starts[k]]
+        out[dest] = part(k)[rows[group] - starts[k]]  # a gather, then a scatter
 
+
+def padded_rows(
+    take: Callable, offsets: np.ndarray, indices: np.ndarray, row_shape, dtype, alloc=np.empty
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``indices`` of a ragged array (sample i: rows ``offsets[i]:offsets[i+1]``),
+    zero-padded to ``(B, L, *row_shape)`` (L the longest, at least 1) in an array from
+    ``alloc``, and their ``(B,)`` lengths. ``take(rows, out, positions)`` copies value rows:
+    only the samples' own rows are copied, in one vectorised call."""
+    starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+    width = max(int(lengths.max(initial=0)), 1)
+    out = alloc((len(indices), width, *row_shape), np.dtype(dtype))
+    flat = out.reshape(len(indices) * width, *row_shape)
+    valid = (np.arange(width)[None, :] < lengths[:, None]).reshape(-1)  # (B * L,)
+    rows = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)[valid]
+    take(rows, flat, np.flatnonzero(valid))
+    flat[~valid] = 0
+    return out, lengths
 
 
 def _open_group(url: str | Path, storage_options: dict | None = None):
@@ -722,6 +747,9 @@ class Store:
     _maps: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _memory: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     _chunks: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _arrays: dict = field(default_factory=dict, repr=False)
+    _layouts: dict = field(default_factory=dict, repr=False)
+    _views: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def open(
@@ -847,8 +875,8 @@ class Store:
     def offsets(self, name: str) -> np.ndarray:
         """(N+1,) row offsets of a ragged field: sample i is rows offsets[i]:offsets[i+1]."""
         if name not in self._offsets:
-            starts = self.group[f"{name}_offsets"][:]
-            self._offsets[name] = np.append(starts, self.group[name].shape[0]).astype(np.int64)
+            starts = self._array(f"{name}_offsets")[:]
+            self._offsets[name] = np.append(starts, self._array(name).shape[0]).astype(np.int64)
         return self._offsets[name]
 
     def read(
@@ -889,7 +917,7 @@ class Store:
             return self._maps[cache_key]
         if len(self._maps) >= MAX_MAPS:  # each mapping holds a file descriptor
             self._maps.popitem(last=False)
-        array = self.group[name]
+        array = self._array(name)
         data = np.memmap(Path(self.url) / _chunk_key(name, shard, array.ndim), np.uint8, "r")
         n_chunks = array.shards[0] // array.chunks[0]
         # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
@@ -910,21 +938,47 @@ class Store:
             pieces.append(values[lo:hi])
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def _array(self, name: str):
+        """Zarr array ``name``, kept (each lookup through the group costs ~1 ms)."""
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
+    def _layout(self, name: str) -> tuple[tuple[int, ...], int, int, np.dtype]:
+        """Shape, rows per chunk, rows per shard file and dtype of array ``name``, kept."""
+        if name not in self._layouts:
+            array = self._array(name)
+            self._layouts[name] = (
+                tuple(array.shape),
+                array.chunks[0],
+                array.shards[0],
+                np.dtype(array.dtype).newbyteorder("<"),
+            )
+        return self._layouts[name]
+
     def _part(self, name: str, k: int) -> np.ndarray:
-        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array: a
-        view of its memory-mapped shard file, which holds its chunks back to back in order
-        (what the writer produces; a file laid out otherwise is read through Zarr)."""
-        array = self.group[name]
-        shard_rows, chunk_rows = array.shards[0], array.chunks[0]
-        row_shape = tuple(array.shape[1:])
-        dtype = np.dtype(array.dtype).newbyteorder("<")
+        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array
+        (kept): a view of its memory-mapped shard file, which holds its chunks back to back
+        in order (what the writer produces; a file laid out otherwise is read through
+        Zarr)."""
+        key = (name, k)
+        if key in self._views:
+            self._views.move_to_end(key)
+            return self._views[key]
+        shape, chunk_rows, shard_rows, dtype = self._layout(name)
         data, index = self._shard_file(name, k)
-        n = -(-(min(array.shape[0], (k + 1) * shard_rows) - k * shard_rows) // chunk_rows)
-        chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        n = -(-(min(shape[0], (k + 1) * shard_rows) - k * shard_rows) // chunk_rows)
+        chunk_bytes = chunk_rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         expected = np.stack([np.arange(n) * chunk_bytes, np.full(n, chunk_bytes)], 1)
         if np.array_equal(index[:n], expected):
-            return data[: n * chunk_bytes].view(dtype).reshape(n * chunk_rows, *row_shape)
-        return self._zarr_part(name, k, shard_rows)
+            view = data[: n * chunk_bytes].view(np.ndarray).view(dtype)
+            view = view.reshape(n * chunk_rows, *shape[1:])
+        else:
+            view = self._zarr_part(name, k, shard_rows)
+        if len(self._views) >= MAX_MAPS:
+            self._views.popitem(last=False)
+        self._views[key] = view
+        return view
 
     def _zarr_part(self, name: str, k: int, rows: int) -> np.ndarray:
         """Rows ``k * rows:(k + 1) * rows`` of array ``name`` read through Zarr; the last
@@ -935,7 +989,7 @@ class Store:
         else:
             if len(self._chunks) >= CACHED_CHUNKS:
                 self._chunks.popitem(last=False)
-            self._chunks[key] = self.group[name][k * rows : (k + 1) * rows]
+            self._chunks[key] = self._array(name)[k * rows : (k + 1) * rows]
         return self._chunks[key]
 
     def _take(self, name: str, rows: np.ndarray, out: np.ndarray, positions=None) -> None:
@@ -943,32 +997,30 @@ class Store:
         field's value rows; ``rows`` valid): from memory when the array is small (read
         once), else one fancy-indexed copy per memory-mapped shard file touched (local,
         uncompressed stores) or per chunk read through Zarr (remote or compressed)."""
-        array = self.group[name]
-        if name not in self._memory and array.nbytes <= IN_MEMORY_BYTES:
+        shape, chunk_rows, shard_rows, dtype = self._layout(name)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if name not in self._memory and nbytes <= IN_MEMORY_BYTES:
             self._memory[name] = (
-                self._mapped_rows(name) if self._mappable else np.asarray(array[...])
+                self._mapped_rows(name) if self._mappable else np.asarray(self._array(name)[...])
             )
         if name in self._memory:
             take_rows(lambda k: self._memory[name], np.zeros(1, np.int64), rows, out, positions)
             return
         if self._mappable:
-            unit, part = array.shards[0], self._part
+            unit = shard_rows
+            part = functools.partial(self._part, name)
         else:
-            unit = array.chunks[0]
-
-            def part(name: str, k: int) -> np.ndarray:
-                return self._zarr_part(name, k, unit)
-
-        starts = np.arange(0, array.shape[0], unit, dtype=np.int64)
-        take_rows(lambda k: part(name, k), starts, rows, out, positions)
+            unit = chunk_rows
+            part = functools.partial(self._zarr_part, name, rows=unit)
+        take_rows(part, np.arange(0, shape[0], unit, dtype=np.int64), rows, out, positions)
 
     def _mapped_rows(self, name: str) -> np.ndarray:
         """All rows of array ``name`` copied from its shard files."""
-        array = self.group[name]
-        n_files = -(-array.shape[0] // array.shards[0])
+        shape, _, shard_rows, dtype = self._layout(name)
+        n_files = -(-shape[0] // shard_rows)
         if not n_files:
-            return np.empty(array.shape, array.dtype)
-        return np.concatenate([self._part(name, k) for k in range(n_files)])[: array.shape[0]]
+            return np.empty(shape, dtype)
+        return np.concatenate([self._part(name, k) for k in range(n_files)])[: shape[0]]
 
     def gather(self, name: str, indices: Sequence[int], alloc=np.empty) -> np.ndarray:
         """Dense field ``name`` of the samples at ``indices`` (any order, repeats allowed):
@@ -992,16 +1044,8 @@ class Store:
         spec = self.fields[name]
         if not spec.ragged:
             raise StoreError(f"{self.url}: field {name!r} is dense; use gather")
-        offsets = self.offsets(name)
-        starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
-        width = max(int(lengths.max(initial=0)), 1)
-        out = alloc((len(indices), width, *spec.shape), np.dtype(spec.dtype))
-        flat = out.reshape(len(indices) * width, *spec.shape)
-        valid = (np.arange(width)[None, :] < lengths[:, None]).reshape(-1)  # (B * L,)
-        rows = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)[valid]
-        self._take(name, rows, flat, np.flatnonzero(valid))
-        flat[~valid] = 0
-        return out, lengths
+        take = functools.partial(self._take, name)
+        return padded_rows(take, self.offsets(name), indices, spec.shape, spec.dtype, alloc)
 
     def __getitem__(self, item: int | str) -> dict:
         index = self.index(item) if isinstance(item, str) else int(item)
@@ -1033,8 +1077,8 @@ class Store:
     def __getstate__(self) -> dict:
         """Picklable (e.g. for data-loading worker processes): handles are reopened."""
         state = dict(self.__dict__)
-        state.update(group=None, _key_index=None, _maps=OrderedDict(), _memory={})
-        state["_chunks"] = OrderedDict()
+        state.update(group=None, _key_index=None, _memory={}, _arrays={})
+        state.update(_maps=OrderedDict(), _chunks=OrderedDict(), _views=OrderedDict())
         return state
 
     def __setstate__(self, state: dict) -> None:

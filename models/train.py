@@ -153,7 +153,8 @@ def train(
     log: Callable[[str], None] = print,
     prepare_model: Callable[[nn.Module], None] | None = None,
 ) -> dict:
-    """Train ``name`` on ``train_data`` (a ``PairData``), select on ``val_data``.
+    """Train ``name`` on ``train_data`` (a ``PairData`` or ``ShardData``), select on
+    ``val_data`` (a ``PairData``).
 
     ``model_config`` is the model's validated ``models.<name>`` section. Returns the
     trained model and the history: one dict per epoch (loss components, val metrics, lr);
@@ -217,8 +218,19 @@ def train(
     try:
         for epoch in range(start, cfg.epochs):
             row, seconds, seen = _train_epoch(
-                name, wrapped, model, optimizer, scheduler, batches, cfg, epoch, device,
-                rank, world, last_path, log,
+                name,
+                wrapped,
+                model,
+                optimizer,
+                scheduler,
+                batches,
+                cfg,
+                epoch,
+                device,
+                rank,
+                world,
+                last_path,
+                log,
             )
             if rank == 0:
                 model.eval()
@@ -263,8 +275,19 @@ def train(
 
 
 def _train_epoch(
-    name, wrapped, model, optimizer, scheduler, batches, cfg, epoch, device, rank, world,
-    last_path, log,
+    name,
+    wrapped,
+    model,
+    optimizer,
+    scheduler,
+    batches,
+    cfg,
+    epoch,
+    device,
+    rank,
+    world,
+    last_path,
+    log,
 ) -> tuple[dict, float, int]:
     """One epoch of optimizer steps; returns the history row (mean loss parts, lr), the
     seconds it took and the pairs seen (all ranks). No step waits for the device: the
@@ -392,9 +415,10 @@ def train_stage(
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Stage ``train@<name>``: the splits' data from the stores, training with selection on
-    val, checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
-    from models.data import PairData
+    """Stage ``train@<name>``: the splits' data from the stores (or the train split streamed
+    from ``train.shards``, checked against them), training with selection on val,
+    checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
+    from models.data import PairData, ShardData
     from models.registry import model_inputs
 
     inputs = model_inputs(name, model_config)
@@ -405,6 +429,10 @@ def train_stage(
         f"train {name}: {len(train_data)} train captions ({train_data.n_images} images), "
         f"{len(val_data)} val captions; inputs {', '.join(sorted(inputs))}"
     )
+    source = train_data
+    if cfg.shards:  # the same samples, streamed from shards built from these stores
+        source = ShardData(cfg.shards, train_data, cfg)
+        log(f"train {name}: streaming {len(source.shards)} train shards from {cfg.shards}")
 
     def prepare(model):  # a model's own set-up from the data, e.g. UniVSE's GloVe vectors
         if hasattr(model, "prepare"):
@@ -414,7 +442,7 @@ def train_stage(
         name,
         model_config,
         cfg,
-        train_data,
+        source,
         val_data,
         out_dir,
         resume=resume,

@@ -98,7 +98,7 @@ def test_hardest_negatives_and_gradients_would_change_with_bf16_scores():
     exact = img @ txt.t()
     rounded = exact.bfloat16().float()
     eye = torch.eye(B, dtype=torch.bool)
-    changed = (exact.masked_fill(eye, -2).argmax(1) != rounded.masked_fill(eye, -2).argmax(1))
+    changed = exact.masked_fill(eye, -2).argmax(1) != rounded.masked_fill(eye, -2).argmax(1)
     assert int(changed.sum()) >= 3
 
     def loss_of(i, t, bf16_scores):
