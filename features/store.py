@@ -38,6 +38,7 @@ store, sweeps the lock files and moves it into place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import fcntl
 import functools
@@ -47,12 +48,14 @@ import os
 import shutil
 import socket
 import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import google_crc32c
 import numpy as np
 import zarr
 from pydantic import Field as PydanticField
@@ -143,9 +146,31 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _chunk_key(field_name: str, index: int, ndim: int) -> str:
-    """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group."""
-    return "/".join([field_name, "c", str(index)] + ["0"] * (ndim - 1))
+def file_checksum(data) -> str:
+    """Checksum of a store file's bytes, as commit markers record it: ``crc32:<hex>``
+    (zlib's CRC-32, ~4 GB/s: it detects corrupt and truncated files, as Zarr's own
+    shard-index CRC does, at a fraction of a SHA-256's cost). Markers of older stores
+    hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
+    return f"crc32:{zlib.crc32(data):08x}"
+
+
+def _checksum_matches(data: bytes, recorded: str) -> bool:
+    if recorded.startswith("crc32:"):
+        return file_checksum(data) == recorded
+    return sha256_bytes(data) == recorded
+
+
+SEPARATOR = "."  # chunk keys c.<k>.0.0: one file per shard, no directory per shard
+
+
+def _chunk_key(field_name: str, index: int, ndim: int, separator: str = SEPARATOR) -> str:
+    """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group:
+    ``name/c.<index>.0..`` (stores made before the flat keys: ``name/c/<index>/0/..``)."""
+    return f"{field_name}/" + separator.join(["c", str(index)] + ["0"] * (ndim - 1))
+
+
+def _flat_keys() -> dict:
+    return {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
 
 
 def _codecs(cfg: StoreConfig) -> dict:
@@ -231,6 +256,7 @@ class StoreWriter:
         self.log = log
         self._lock_file = None
         self._shard_lock_files: list = []
+        self._hasher = None  # a thread checksumming shard files as they are written
         self.reused = False  # the complete store at `target` was made from the same inputs
         self.only: list[int] | None = None  # a shard writer's shards
         if shards is not None:
@@ -299,6 +325,9 @@ class StoreWriter:
                 self._truncate_ragged(markers)
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         for handle in self._shard_lock_files:  # lock files stay: only .lock's owner sweeps
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
@@ -413,6 +442,11 @@ class StoreWriter:
         files = [_chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
         return [*files, _chunk_key(COMMITS, shard, 1)]
 
+    def _layout(self) -> dict:
+        """The layout params, and the chunk keys' separator (a store with other keys is
+        started over)."""
+        return {**self.cfg.model_dump(), "chunk_key_separator": SEPARATOR}
+
     def _existing_attrs(self) -> dict | None:
         """The attributes of the incomplete store, or None if there is none, it was cut
         short while being created, or it is damaged: this folder is the writer's own, so
@@ -429,7 +463,7 @@ class StoreWriter:
         return (
             attrs.get("schema_version") == SCHEMA_VERSION
             and attrs.get("fingerprint") == self.fingerprint
-            and attrs.get("layout") == self.cfg.model_dump()
+            and attrs.get("layout") == self._layout()
             and attrs.get("n") == self.n
         )
 
@@ -458,12 +492,14 @@ class StoreWriter:
             "fingerprint": self.fingerprint,
             "inputs": asdict(self.provenance),
             "fields": {k: asdict(v) for k, v in self.fields.items()},
-            "layout": cfg.model_dump(),
+            "layout": self._layout(),
             "n": self.n,
             "n_shards": self.n_shards,
             "complete": False,
         }
-        keys = group.create_array("keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str)
+        keys = group.create_array(
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **_flat_keys()
+        )
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
         chunk = cfg.samples_per_chunk
@@ -480,6 +516,7 @@ class StoreWriter:
                     dtype=spec.dtype,
                     fill_value=0,
                     **_codecs(cfg),
+                    **_flat_keys(),
                 )
                 name, spec = f"{name}_offsets", FieldSpec((), "int64")
             group.create_array(
@@ -490,8 +527,9 @@ class StoreWriter:
                 dtype=spec.dtype,
                 fill_value=0,
                 **_codecs(cfg),
+                **_flat_keys(),
             )
-        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **_flat_keys())
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
@@ -584,10 +622,15 @@ class StoreWriter:
                     f"store {self.path}: field {name!r} of shard {shard} has shape "
                     f"{array.shape}, expected {(stop - start, *spec.shape)}"
                 )
-            self.group[name][start:stop] = array
-            files[_chunk_key(name, shard, array.ndim)] = ""
-        for rel in files:
-            files[rel] = sha256_bytes((self.path / rel).read_bytes())
+            rel = _chunk_key(name, shard, array.ndim)
+            if self.cfg.compression == "none":
+                files[rel] = self._write_raw_shard(rel, array)
+            else:
+                self.group[name][start:stop] = array
+                files[rel] = ""
+        for rel, checksum in files.items():
+            if not checksum:
+                files[rel] = file_checksum((self.path / rel).read_bytes())
         marker = {
             "shard": shard,
             "start": start,
@@ -598,6 +641,36 @@ class StoreWriter:
         }
         self.commits[shard] = json.dumps(marker, sort_keys=True)
         self.committed.add(shard)
+
+    def _write_raw_shard(self, rel: str, array: np.ndarray) -> str:
+        """Write one uncompressed shard file of a dense field as Zarr's sharding codec lays
+        it out (the chunks along axis 0 back to back, then the index: (offset, nbytes)
+        uint64 per chunk, absent ones all ones, and the index's CRC-32C), by atomic rename;
+        returns its checksum. The same bytes Zarr writes (tested), without its per-chunk
+        encoding, and checksummed as written rather than read back."""
+        chunk, per_shard = self.cfg.samples_per_chunk, self.cfg.samples_per_shard
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        present = -(-len(array) // chunk)
+        chunk_bytes = chunk * array[0].nbytes if len(array) else 0
+        index = np.full((per_shard // chunk, 2), np.iinfo(np.uint64).max, dtype="<u8")
+        index[:present, 0] = np.arange(present, dtype=np.uint64) * chunk_bytes
+        index[:present, 1] = chunk_bytes
+        tail = index.tobytes()
+        tail += google_crc32c.value(tail).to_bytes(4, "little")
+        padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
+        data = memoryview(array.reshape(-1).view(np.uint8))
+        if self._hasher is None:  # both release the GIL: checksum while writing
+            self._hasher = concurrent.futures.ThreadPoolExecutor(1, "vse-store-crc")
+        crc = self._hasher.submit(zlib.crc32, data)
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(tmp, "wb") as f:
+            array.tofile(f)
+            f.write(padding)
+            f.write(tail)
+        os.replace(tmp, path)
+        return f"crc32:{zlib.crc32(tail, zlib.crc32(padding, crc.result())):08x}"
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
         if len(samples) != stop - start:
@@ -638,7 +711,7 @@ class StoreWriter:
         extra[...] = array
         rel = "/".join([name, "c"] + ["0"] * array.ndim) if array.ndim else f"{name}/c"
         attrs = dict(self.group.attrs["vse"])
-        attrs.setdefault("extras", {})[name] = sha256_bytes((self.path / rel).read_bytes())
+        attrs.setdefault("extras", {})[name] = file_checksum((self.path / rel).read_bytes())
         attrs["extras_files"] = {**attrs.get("extras_files", {}), name: rel}
         self.group.attrs["vse"] = attrs
 
@@ -918,7 +991,9 @@ class Store:
         if len(self._maps) >= MAX_MAPS:  # each mapping holds a file descriptor
             self._maps.popitem(last=False)
         array = self._array(name)
-        data = np.memmap(Path(self.url) / _chunk_key(name, shard, array.ndim), np.uint8, "r")
+        separator = self.attrs["layout"].get("chunk_key_separator", "/")
+        rel = _chunk_key(name, shard, array.ndim, separator)
+        data = np.memmap(Path(self.url) / rel, np.uint8, "r")
         n_chunks = array.shards[0] // array.chunks[0]
         # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
         index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
@@ -1108,7 +1183,7 @@ class Store:
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 continue
-            if sha256_bytes(data) != digest:
+            if not _checksum_matches(data, digest):
                 problems.append(f"{rel}: corrupt (checksum mismatch)")
         return problems
 

@@ -14,7 +14,7 @@ import torch
 from features.demo import DemoConfig, build_dataset
 from features.extract import extract_images
 from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.store import Store, StoreConfig, StoreError, StoreWriter
+from features.store import Store, StoreConfig, StoreError, StoreWriter, incomplete_path
 from features.visual import GridExtractor, build_trunk
 from features.visual_config import GridConfig
 
@@ -83,12 +83,12 @@ def test_concurrent_shard_writers_give_the_single_writer_store(tmp_path):
     odds.kill()  # a crashed worker: its committed shards stay, a rerun resumes the rest
     odds.wait()
     assert evens.wait() == 0
-    partial = Store.open(target, require_complete=False)
+    partial = Store.open(incomplete_path(target), require_complete=False)
     assert partial.committed[0::2].all() and partial.committed[1] and not partial.committed.all()
     rerun = start_shard_writer(target, list(range(1, 15, 2)))
     rerun.communicate("go\n")
     assert rerun.returncode == 0
-    assert not Store.open(target).attrs["complete"]  # shard writers never finalize
+    assert not Store.open(incomplete_path(target)).attrs["complete"]  # never finalized
     with writer(target) as coordinator:  # finalizes, sweeps temp and lock files
         assert coordinator.pending_shards() == []
     assert files_of(target) == files_of(tmp_path / "single.zarr")
@@ -113,13 +113,14 @@ def test_shard_writers_refuse_ragged_missing_and_other_stores(tmp_path):
     with writer(tmp_path / "r2.zarr", shards=[2]) as w:
         with pytest.raises(StoreError, match="shard 3 is not one of this shard writer's"):
             w.write_shard(3, job.shard_data("regions", 24, 32))
-    assert sorted(p.name for p in (tmp_path / "r2.zarr").iterdir() if p.name[0] == ".") == [
+    building = incomplete_path(tmp_path / "r2.zarr")
+    assert sorted(p.name for p in building.iterdir() if p.name[0] == ".") == [
         ".lock",
         ".shard_locks",
     ]  # a shard writer leaves both to the next whole-store writer, which sweeps them
     with writer(tmp_path / "r2.zarr"):
         pass
-    assert not [p for p in (tmp_path / "r2.zarr").iterdir() if p.name[0] == "."]
+    assert not [p for p in building.iterdir() if p.name[0] == "."]
 
 
 # --------------------------------------------------------------------------- Dask fan-out

@@ -123,13 +123,13 @@ def test_second_writer_gets_a_lock_error(tmp_path):
 def test_verify_names_corrupt_and_missing_shards(tmp_path):
     job.run(tmp_path / "s.zarr", "regions", 40, 8)
     root = tmp_path / "s.zarr"
-    shard = root / "features/c/2/0/0"
+    shard = root / "features/c.2.0.0"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (root / "boxes/c/4/0/0").unlink()
+    (root / "boxes/c.4.0.0").unlink()
     problems = Store.open(root).verify()
-    assert problems == ["boxes/c/4/0/0: missing", "features/c/2/0/0: corrupt (checksum mismatch)"]
+    assert problems == ["boxes/c.4.0.0: missing", "features/c.2.0.0: corrupt (checksum mismatch)"]
 
 
 def test_fingerprint_and_manifest_checks(tmp_path):
@@ -216,9 +216,9 @@ def test_cli_ls_info_verify(tmp_path, capsys):
     assert "manifest_digest: " + "m" * 64 in capsys.readouterr().out
     assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 0
     assert "is intact" in capsys.readouterr().out
-    (tmp_path / "feats" / "regions.zarr" / "boxes/c/1/0/0").write_bytes(b"x")
+    (tmp_path / "feats" / "regions.zarr" / "boxes/c.1.0.0").write_bytes(b"x")
     assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 1
-    assert "boxes/c/1/0/0: corrupt" in capsys.readouterr().out
+    assert "boxes/c.1.0.0: corrupt" in capsys.readouterr().out
 
 
 def test_memory_mapped_reads_equal_zarr_reads(tmp_path):
@@ -323,3 +323,27 @@ def test_gathers_refuse_bad_indices_and_read_compressed_stores(tmp_path):
     np.testing.assert_array_equal(store.gather("f", [19, 2, 9, 2]), data[[19, 2, 9, 2]])
     padded, lengths = store.gather_ragged("r", [5, 3, 19])
     assert lengths.tolist() == [2, 0, 1] and padded[0, :2].tolist() == [[5, 5], [5, 5]]
+
+
+def test_uncompressed_shard_files_are_the_bytes_zarr_writes(tmp_path):
+    """The writer lays out dense shard files itself (no Zarr encoding on the write path);
+    they must be what Zarr writes, partial last chunk and shard included."""
+    import shutil
+
+    job.run(tmp_path / "s.zarr", "regions", 37, 8)  # shards of 8, chunks of 4; 37 samples
+    ours = files_of(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "z.zarr")
+    group = zarr.open_group(tmp_path / "z.zarr", mode="r+")
+    for shard in range(5):
+        start, stop = shard * 8, min(shard * 8 + 8, 37)
+        data = job.shard_data("regions", start, stop)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            for name, spec in job.regions_fields(6, 16).items():
+                group[name][start:stop] = np.asarray(data[name], dtype=spec.dtype)
+    theirs = files_of(tmp_path / "z.zarr")
+    fields = job.regions_fields(6, 16)
+    shards = [k for k in ours if "/c." in k and k.split("/")[0] in fields]
+    assert len(shards) == 20
+    for rel in shards:
+        assert ours[rel] == theirs[rel], rel
+    assert Store.open(tmp_path / "s.zarr").verify() == []
