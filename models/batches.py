@@ -156,6 +156,14 @@ def build(source, kind: str, index: np.ndarray, alloc: Arena) -> dict:
     return alloc.adopt(getattr(source, f"{kind}_batch")(index))
 
 
+def _copied(value, pin: bool):
+    """An array out of its arena: into pinned memory (CUDA's caching host allocator) or
+    plain memory."""
+    if not isinstance(value, np.ndarray):
+        return value
+    return torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value.copy())
+
+
 def _tensors(batch: dict) -> dict:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
@@ -223,10 +231,7 @@ class Batches:
 
     def __init__(self, source, device, *, num_workers: int = 0, prefetch: int = 2):
         if num_workers and prefetch < 1:
-            raise UserError(
-                "train.prefetch: workers build at least one batch ahead; set prefetch >= 1 "
-                "or num_workers: 0"
-            )
+            raise UserError("prefetch: workers build at least one batch ahead; set it >= 1")
         self.source = source
         self.device = torch.device(device)
         self.num_workers = num_workers
@@ -355,12 +360,10 @@ class Batches:
         at once, the consumer copies without blocking); on the CPU the arena's views."""
         if self.device.type == "cpu":
             return batch, release
-        pinned = {
-            k: torch.from_numpy(v).pin_memory() if isinstance(v, np.ndarray) else v
-            for k, v in batch.items()
-        }
+        pin = self.device.type == "cuda"  # (another device gets a plain copy)
+        copied = {k: _copied(v, pin) for k, v in batch.items()}
         release()
-        return pinned, None
+        return copied, None
 
     @staticmethod
     def _wait(free: queue.Queue, stop: threading.Event):
@@ -416,9 +419,11 @@ class Batches:
                 q.put(slot)
         pending: list[deque] = [deque() for _ in range(workers)]  # slots asked for, in order
 
-        def send(w: int, op: str, task) -> bool:
+        def send(w: int, op: str, task, block: bool = False) -> bool:
+            """Ask worker ``w`` for a batch, if one of its slots is free (``block``: once
+            the consumer frees one)."""
             try:
-                slot = free[w].get_nowait()
+                slot = self._wait(free[w], stop) if block else free[w].get_nowait()
             except queue.Empty:
                 return False
             self._workers[w][1].send((op, slot, task))
@@ -442,6 +447,8 @@ class Batches:
                         while send(w, "next", tasks.spec):
                             pass
                     w = active[turn % len(active)]
+                    if not pending[w]:  # every slot of w is with the consumer
+                        send(w, "next", tasks.spec, block=True)
                     item = receive(w)
                     if item is None:  # this worker's stream is done
                         while pending[w]:
@@ -457,6 +464,10 @@ class Batches:
             sent = 0
             while sent < len(tasks) or order:
                 while sent < len(tasks) and send(sent % workers, "build", tasks[sent]):
+                    order.append(sent % workers)
+                    sent += 1
+                if not order:  # every slot is with the consumer: wait for one
+                    send(sent % workers, "build", tasks[sent], block=True)
                     order.append(sent % workers)
                     sent += 1
                 if stop.is_set():

@@ -6,7 +6,7 @@ growing this module into a base class.
 from __future__ import annotations
 
 import torch
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 from torch import nn
 
 from features.config import Section
@@ -42,6 +42,12 @@ class TrainConfig(Section):
     # image inputs as (x - mean) / std with train statistics (kept in the checkpoint);
     # for features dominated by one shared mean, such as random-init CNN features
     standardize: bool = False
+
+    @model_validator(mode="after")
+    def _workers_prefetch(self) -> TrainConfig:
+        if self.num_workers and not self.prefetch:
+            raise ValueError("workers build at least one batch ahead: prefetch >= 1")
+        return self
 
 
 def autocast(device: torch.device):

@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from features.config import Section
 from features.device import Device
@@ -35,6 +35,12 @@ class EvaluateConfig(Section):
     device: Device = "auto"
     num_workers: int = Field(0, ge=0, le=64)  # batch-building processes (0: a thread)
     prefetch: int = Field(2, ge=0, le=64)  # batches built ahead (per worker)
+
+    @model_validator(mode="after")
+    def _workers_prefetch(self) -> EvaluateConfig:
+        if self.num_workers and not self.prefetch:
+            raise ValueError("workers build at least one batch ahead: prefetch >= 1")
+        return self
 
 
 @torch.no_grad()

@@ -18,7 +18,8 @@ from models.train import epoch_batches, train
 from models.vsepp import VSEPPConfig
 
 ALL = frozenset({"image", "regions", "grid", "words", "tokens", "document", "tfidf", "labels"})
-MODES = [(0, 0), (0, 2), (2, 1)]  # (num_workers, prefetch): in the loop, a thread, processes
+# (num_workers, prefetch): in the loop, a thread, processes
+MODES = [(0, 0), (0, 2), (1, 2), (2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +204,40 @@ def test_arena_reuses_its_memory_and_grows():
     arena.reset()
     assert arena.holds(arena((10,), np.float32)) == 0
     assert arena.holds(arena((500,), np.float32)) is not None
+
+
+def test_device_batches_are_finished_on_the_device(paths):
+    """The accelerator branch (here the "meta" device): raw batches leave their arenas,
+    move without blocking and are finished on the device, lengths keeping a host copy."""
+    data = PairData(paths, "train", ALL)
+    data.standardize(data.feature_stats())
+    tasks = [("pair", np.arange(8)), ("image", np.arange(4))]
+    with Batches(data, "meta", prefetch=1) as batches:
+        got = list(batches.run(tasks))
+    want = data.pair_batch(np.arange(8))
+    assert got[0].keys() == want.keys()
+    for key, value in want.items():
+        assert got[0][key].device.type == "meta" and got[0][key].dtype == value.dtype, key
+        assert got[0][key].shape == value.shape, key
+    assert torch.equal(host_lengths(got[0]["word_lengths"]), want["word_lengths"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_steps_do_not_synchronise(tmp_path):
+    """On CUDA, with sync debugging on, the training loop's own host-device syncs in an
+    epoch do not grow with its number of steps (the models' own are not counted)."""
+    import warnings
+
+    data = TinyPairs(n_images=48)
+    counts = []
+    for batch_size in (12, 2):
+        cfg = TrainConfig(epochs=1, batch_size=batch_size, device="cuda", num_workers=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train("vsepp", VSEPPConfig(embed_size=16, word_dim=8), cfg, data, data, tmp_path)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum(w.filename.endswith(os.path.join("models", "train.py")) for w in caught))
+    assert counts[0] == counts[1], counts
