@@ -226,3 +226,47 @@ def test_streams_from_s3(packed):
             assert all(torch.equal(a[k], b[k]) for k in a)
     finally:
         server.stop()
+
+
+def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
+    """UniVSE's inputs (grid, words, scene graphs) from shards equal the store path's;
+    shards without the graphs in use are refused."""
+    from dataclasses import replace
+
+    from features.scenegraph_files import GRAPHS, write_scene_graphs
+    from features.shards import file_digest, read_scene_graphs
+
+    root, paths, manifest, _ = packed
+    keys, texts, _ = manifest.caption_rows()
+    rows = [
+        {
+            "key": k,
+            "caption": t,
+            "objects": [{"span": f"w{i % 20}", "head": "x", "lemma": "x"}],
+            "attributes": [{"object": 0, "attribute": f"w{i % 7}", "lemma": "y"}] * (i % 2),
+            "relations": [],
+        }
+        for i, (k, t) in enumerate(zip(keys, texts, strict=True))
+    ]
+    write_scene_graphs(tmp_path / "graphs", rows, {"nouns": {"w1": 2}})
+    paths = replace(paths, scenegraphs=tmp_path / "graphs")
+    inputs = frozenset({"grid", "words", "scene_graph"})
+    data = PairData(paths, "train", inputs)
+    with pytest.raises(StoreError, match="the shards hold no scene graphs"):
+        ShardData(str(root / "out"), data, CFG)
+    stores = {"grid": Store.open(paths.grid)}
+    build_shards(
+        manifest,
+        stores,
+        tmp_path / "s",
+        LAYOUT,
+        text=Store.open(paths.text),
+        scene_graphs=read_scene_graphs(tmp_path / "graphs"),
+        scene_graphs_digest=file_digest(tmp_path / "graphs" / GRAPHS),
+    )
+    source = ShardData(str(tmp_path / "s"), data, CFG)
+    for batch in epoch(source, CFG, 0)[:3]:
+        want = data.pair_batch(np.array(identify(data, batch)))
+        assert batch.keys() == want.keys() and "object_mask" in batch
+        for key, value in want.items():
+            assert torch.equal(batch[key], value), key
