@@ -38,7 +38,6 @@ store, sweeps the lock files and moves it into place.
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime as dt
 import fcntl
 import functools
@@ -48,7 +47,6 @@ import os
 import shutil
 import socket
 import warnings
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,6 +54,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import google_crc32c
+import numcodecs
 import numpy as np
 import zarr
 from pydantic import Field as PydanticField
@@ -147,15 +146,25 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def file_checksum(data) -> str:
-    """Checksum of a store file's bytes, as commit markers record it: ``crc32:<hex>``
-    (zlib's CRC-32, ~4 GB/s: it detects corrupt and truncated files, as Zarr's own
-    shard-index CRC does, at a fraction of a SHA-256's cost). Markers of older stores
-    hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
-    return f"crc32:{zlib.crc32(data):08x}"
+    """Checksum of a store file's bytes, as commit markers record it: ``crc32c:<hex>``
+    (CRC-32C, in hardware at ~10 GB/s: it detects corrupt and truncated files, as Zarr's
+    own shard-index CRC-32C does, at a small fraction of a SHA-256's cost). Markers of
+    older stores hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
+    return f"crc32c:{google_crc32c.value(_readonly(data)):08x}"
+
+
+def _readonly(data):
+    """``data`` as google_crc32c takes it (bytes, or a read-only array): no copy."""
+    if isinstance(data, bytes):
+        return data
+    view = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    view = view.reshape(-1).view(np.uint8)
+    view.flags.writeable = False
+    return view
 
 
 def _checksum_matches(data: bytes, recorded: str) -> bool:
-    if recorded.startswith("crc32:"):
+    if recorded.startswith("crc32c:"):
         return file_checksum(data) == recorded
     return sha256_bytes(data) == recorded
 
@@ -256,7 +265,6 @@ class StoreWriter:
         self.log = log
         self._lock_file = None
         self._shard_lock_files: list = []
-        self._hasher = None  # a thread checksumming shard files as they are written
         self.reused = False  # the complete store at `target` was made from the same inputs
         self.only: list[int] | None = None  # a shard writer's shards
         if shards is not None:
@@ -325,9 +333,6 @@ class StoreWriter:
                 self._truncate_ragged(markers)
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown()
-            self._hasher = None
         for handle in self._shard_lock_files:  # lock files stay: only .lock's owner sweeps
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
@@ -639,16 +644,31 @@ class StoreWriter:
             "files": files,
             "notes": notes,
         }
-        self.commits[shard] = json.dumps(marker, sort_keys=True)
+        self._write_marker(shard, json.dumps(marker, sort_keys=True))
         self.committed.add(shard)
 
-    def _write_raw_shard(self, rel: str, array: np.ndarray) -> str:
-        """Write one uncompressed shard file of a dense field as Zarr's sharding codec lays
-        it out (the chunks along axis 0 back to back, then the index: (offset, nbytes)
-        uint64 per chunk, absent ones all ones, and the index's CRC-32C), by atomic rename;
-        returns its checksum. The same bytes Zarr writes (tested), without its per-chunk
-        encoding, and checksummed as written rather than read back."""
-        chunk, per_shard = self.cfg.samples_per_chunk, self.cfg.samples_per_shard
+    def _write_marker(self, shard: int, text: str) -> None:
+        """Commit shard ``shard``: its marker, the chunk Zarr writes for ``commits[shard] =
+        text`` (vlen-utf8, then zstd level 0: the same bytes, tested), by atomic rename."""
+        data = numcodecs.Zstd(level=0).encode(
+            numcodecs.VLenUTF8().encode(np.array([text], dtype=object))
+        )
+        path = self.path / _chunk_key(COMMITS, shard, 1)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+
+    def _write_raw_shard(
+        self, rel: str, array: np.ndarray, chunk: int | None = None, per_shard: int | None = None
+    ) -> str:
+        """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``;
+        a dense field's by default) as Zarr's sharding codec lays it out (the chunks along
+        axis 0 back to back, then the index: (offset, nbytes) uint64 per chunk, absent
+        ones all ones, and the index's CRC-32C), by atomic rename; returns its checksum.
+        The same bytes Zarr writes (tested), without its per-chunk encoding, and
+        checksummed as written rather than read back."""
+        chunk = chunk or self.cfg.samples_per_chunk
+        per_shard = per_shard or self.cfg.samples_per_shard
         array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
         present = -(-len(array) // chunk)
         chunk_bytes = chunk * array[0].nbytes if len(array) else 0
@@ -658,10 +678,8 @@ class StoreWriter:
         tail = index.tobytes()
         tail += google_crc32c.value(tail).to_bytes(4, "little")
         padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
-        data = memoryview(array.reshape(-1).view(np.uint8))
-        if self._hasher is None:  # both release the GIL: checksum while writing
-            self._hasher = concurrent.futures.ThreadPoolExecutor(1, "vse-store-crc")
-        crc = self._hasher.submit(zlib.crc32, data)
+        crc = google_crc32c.value(_readonly(array))
+        crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
         path = self.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -670,7 +688,7 @@ class StoreWriter:
             f.write(padding)
             f.write(tail)
         os.replace(tmp, path)
-        return f"crc32:{zlib.crc32(tail, zlib.crc32(padding, crc.result())):08x}"
+        return f"crc32c:{crc:08x}"
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
         if len(samples) != stop - start:
@@ -678,12 +696,17 @@ class StoreWriter:
                 f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
                 f"shard range {start}:{stop}"
             )
+        raw = self.cfg.compression == "none"
         values = self.group[name]
         first = values.shape[0]
         lengths = [len(s) for s in samples]
         offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        self.group[f"{name}_offsets"][start:stop] = offsets
-        files[_chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)] = ""
+        rel = _chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
+        if raw:
+            files[rel] = self._write_raw_shard(rel, offsets)
+        else:
+            self.group[f"{name}_offsets"][start:stop] = offsets
+            files[rel] = ""
         last = first + sum(lengths)
         if last > first:
             flat = np.concatenate([np.asarray(s, dtype=spec.dtype) for s in samples])
@@ -693,10 +716,24 @@ class StoreWriter:
                     f"{flat.shape[1:]}, expected {spec.shape}"
                 )
             values.resize((last, *spec.shape))
-            values[first:last] = flat
-            shard_rows = values.shards[0]
+            shard_rows, chunk_rows = values.shards[0], values.chunks[0]
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
-                files[_chunk_key(name, index, values.ndim)] = ""
+                rel = _chunk_key(name, index, values.ndim)
+                if not raw:
+                    files[rel] = ""
+                    continue
+                lo, hi = index * shard_rows, min(last, (index + 1) * shard_rows)
+                rows = flat[max(lo - first, 0) : hi - first]
+                if lo < first:  # the file's rows so far come first: read them back
+                    kept = np.fromfile(
+                        self.path / rel,
+                        np.dtype(spec.dtype).newbyteorder("<"),
+                        count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
+                    )
+                    rows = np.concatenate([kept.reshape(first - lo, *spec.shape), rows])
+                files[rel] = self._write_raw_shard(rel, rows, chunk_rows, shard_rows)
+            if not raw:
+                values[first:last] = flat
         return [int(first), int(last)]
 
     def write_extra(self, name: str, array: np.ndarray) -> None:

@@ -270,3 +270,16 @@ def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
         assert batch.keys() == want.keys() and "object_mask" in batch
         for key, value in want.items():
             assert torch.equal(batch[key], value), key
+
+
+def test_the_command_builds_shards_that_training_reads(packed, tmp_path, capsys):
+    from flows.cli import main
+
+    root, paths, _, _ = packed
+    args = ["shards", "build", "--manifest", str(paths.manifest), "--out", str(tmp_path / "s")]
+    assert main([*args, "--store", f"regions={paths.regions}", "--text", str(paths.text)]) == 0
+    assert "41 images in 3 shards (regions, text)" in capsys.readouterr().out
+    data = PairData(paths, "train", frozenset({"regions", "words"}))
+    assert ShardData(str(tmp_path / "s"), data, CFG).shards == ["train-000000.tar"]
+    assert main([*args, "--store", f"text={paths.regions}"]) == 1
+    assert "'text' names the caption-level store; use --text" in capsys.readouterr().err

@@ -81,7 +81,16 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, kind):
     kills = 0
     for attempt in range(6):  # kill after a random number of commits, at a random moment
         proc = subprocess.Popen(
-            [sys.executable, str(JOB), str(target), kind, "120", "8", str(0.003 * (attempt % 2))],
+            # a pause after each commit (the writer takes ~1 ms a shard): killed in time
+            [
+                sys.executable,
+                str(JOB),
+                str(target),
+                kind,
+                "120",
+                "8",
+                str(0.003 * (1 + attempt % 2)),
+            ],
             env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
             stdout=subprocess.PIPE,
             text=True,
@@ -326,8 +335,9 @@ def test_gathers_refuse_bad_indices_and_read_compressed_stores(tmp_path):
 
 
 def test_uncompressed_shard_files_are_the_bytes_zarr_writes(tmp_path):
-    """The writer lays out dense shard files itself (no Zarr encoding on the write path);
-    they must be what Zarr writes, partial last chunk and shard included."""
+    """The writer lays out dense shard files and commit markers itself (no Zarr encoding
+    on the write path); they must be what Zarr writes, partial last chunk and shard
+    included."""
     import shutil
 
     job.run(tmp_path / "s.zarr", "regions", 37, 8)  # shards of 8, chunks of 4; 37 samples
@@ -340,10 +350,42 @@ def test_uncompressed_shard_files_are_the_bytes_zarr_writes(tmp_path):
         with zarr.config.set({"array.write_empty_chunks": True}):
             for name, spec in job.regions_fields(6, 16).items():
                 group[name][start:stop] = np.asarray(data[name], dtype=spec.dtype)
+        group["_commits"][shard] = Store.open(tmp_path / "s.zarr").group["_commits"][shard]
     theirs = files_of(tmp_path / "z.zarr")
+    assert all(ours[f"_commits/c.{k}"] == theirs[f"_commits/c.{k}"] for k in range(5))
     fields = job.regions_fields(6, 16)
     shards = [k for k in ours if "/c." in k and k.split("/")[0] in fields]
     assert len(shards) == 20
     for rel in shards:
+        assert ours[rel] == theirs[rel], rel
+    assert Store.open(tmp_path / "s.zarr").verify() == []
+
+
+def test_ragged_shard_files_are_the_bytes_zarr_writes(tmp_path):
+    """Ragged rows are appended shard by shard, into row shard files that each write
+    rewrites (the rows so far, then the new ones): the bytes Zarr writes."""
+    import shutil
+
+    job.run(tmp_path / "s.zarr", "tokens", 37, 8)
+    ours = files_of(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "z.zarr")
+    group = zarr.open_group(tmp_path / "z.zarr", mode="r+")
+    values, offsets = group["features"], group["features_offsets"]
+    values.resize((0, 16))
+    for shard in range(5):
+        start, stop = shard * 8, min(shard * 8 + 8, 37)
+        rows = [
+            np.asarray(r, np.float16) for r in job.shard_data("tokens", start, stop)["features"]
+        ]
+        first = values.shape[0]
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            offsets[start:stop] = first + np.cumsum([0] + [len(r) for r in rows[:-1]])
+            if sum(len(r) for r in rows):
+                values.resize((first + sum(len(r) for r in rows), 16))
+                values[first:] = np.concatenate(rows)
+    theirs = files_of(tmp_path / "z.zarr")
+    data_files = [k for k in ours if k.startswith(("features/c.", "features_offsets/c."))]
+    assert len(data_files) > 5
+    for rel in data_files:
         assert ours[rel] == theirs[rel], rel
     assert Store.open(tmp_path / "s.zarr").verify() == []
