@@ -15,7 +15,7 @@ times batches that are ready for the model (float32 tensors, captions padded):
   0 and 2 workers;
 - this project's path (``models.batches.Batches`` over ``models.data.PairData``): built in
   the loop, by a thread, by 2 workers;
-- streaming the WebDataset shards (``models.shard_data.ShardData``), 0 and 2 workers.
+- streaming the WebDataset shards (``models.data.ShardData``), in the loop and 2 workers.
 
 Readers alternate over ``--rounds`` timed passes after a warm-up pass each (warm page
 cache); the best pass counts. Targets (issue 16): ours in one process >= 0.8x the

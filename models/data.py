@@ -37,7 +37,7 @@ into memory the caller provides. :func:`finish` makes it what the models read: f
 image inputs standardised, on the device; it runs once, on the GPU when there is one
 (:mod:`models.batches` runs both steps ahead of the training loop). The sources:
 :class:`PairData` (the feature stores, memory-mapped) and
-:class:`models.shard_data.ShardData` (WebDataset shards built from the same stores).
+:class:`ShardData` (WebDataset shards built from the same stores).
 """
 
 from __future__ import annotations
