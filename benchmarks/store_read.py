@@ -3,8 +3,10 @@
 Writes N samples of (36, 2048) float16 region features (147 KB each) three ways: a plain
 .npy (read through a memmap: the baseline), a feature store, and WebDataset shards; reads
 each warm (after one untimed pass) and prints samples/s, MB/s and the ratio to the
-baseline. Targets (issue 3): training loader >= 0.8x, WebDataset streaming >= 0.5x, one
-worker.
+baseline: random batches gathered from the store (``Store.gather``, what training
+reads), and the shards' groups read and gathered into batches (``features.shards``,
+what streaming training reads). Targets (issue 16): store gathers >= 0.8x, WebDataset
+streaming >= 0.5x. ``benchmarks/train_input.py`` measures whole training batches.
 
     python benchmarks/store_read.py [--n 4096] [--batch 128] [--dir /tmp/vse-bench]
 """
@@ -22,8 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from features.ingest import Dataset, Record, read_manifest, write_manifest
-from features.loader import BlockShuffleLoader
-from features.shards import build_shards, stream
+from features.shards import GroupColumns, ShardsConfig, build_shards, read_groups, read_sizes
 from features.store import Provenance, Store, StoreConfig, StoreWriter, regions_fields
 
 R, D = 36, 2048
@@ -103,7 +104,8 @@ def main() -> None:
             )
     memmap.flush()
     store = Store.open(root / "regions.zarr")
-    build_shards(manifest, {"regions": store}, root / "shards", samples_per_shard=1000)
+    build_shards(manifest, {"regions": store}, root / "shards", ShardsConfig())
+    sizes = read_sizes(root / "shards")
 
     baseline = np.load(root / "ims.npy", mmap_mode="r")
 
@@ -119,20 +121,17 @@ def main() -> None:
             np.stack([baseline[j] for j in order[i : i + batch]])
         return n // batch * batch
 
-    loader = BlockShuffleLoader(root / "regions.zarr", ["features"], batch, buffer_size=2048)
+    out = np.empty((batch, R, D), np.float16)
+
+    def store_gather() -> int:  # random batches into a reused buffer, as training does
+        order = rng.permutation(n)
+        for i in range(0, n - batch + 1, batch):
+            store.gather("features", order[i : i + batch], alloc=lambda shape, dtype: out)
+        return n // batch * batch
 
     def memmap_worker() -> int:
         dl = DataLoader(MemmapBatches(root / "ims.npy", batch), batch_size=None, num_workers=1)
         return sum(len(b) for b in dl)
-
-    def store_loader() -> int:
-        loader.set_epoch(loader.epoch + 1)
-        return sum(len(b["index"]) for b in loader)
-
-    def store_loader_worker() -> int:
-        loader.set_epoch(loader.epoch + 1)
-        dl = DataLoader(loader, batch_size=None, num_workers=1)
-        return sum(len(b["index"]) for b in dl)
 
     picks = rng.choice(keys, size=min(n, 512), replace=False)
 
@@ -141,19 +140,36 @@ def main() -> None:
             store[key]
         return len(picks)
 
-    def webdataset() -> int:
-        pipeline = stream(root / "shards", "train", batch, fields=["regions.features"])
-        return sum(len(b["key"]) for b in pipeline)
+    fields = sizes["stores"]["regions"]["fields"]
+
+    def webdataset() -> int:  # groups in shard order, shuffled within 2048 samples
+        count, held = 0, []
+        for name in sorted(sizes["shards"]):
+            for group in read_groups(str(root / "shards" / name)):
+                held.append(group)
+                if sum(g.n_images for g in held) >= 2048:
+                    count += emit(held)
+                    held = []
+        return count + emit(held)
+
+    def emit(held) -> int:
+        if not held:
+            return 0
+        columns = GroupColumns(held, "regions", fields, "images")
+        order = rng.permutation(sum(g.n_images for g in held))
+        for i in range(0, len(order) - batch + 1, batch):  # a batch in storage order
+            rows = np.sort(order[i : i + batch])
+            columns.gather("features", rows, alloc=lambda shape, dtype: out)
+        return len(order) // batch * batch
 
     results = measure(
         {
             "numpy memmap, random batches (baseline)": memmap_batches,
             "numpy memmap, per-sample reads": memmap_per_sample,
-            "store training loader": store_loader,
+            "store gather, random batches": store_gather,
             "numpy memmap, random batches, 1 DataLoader worker": memmap_worker,
-            "store training loader, 1 DataLoader worker": store_loader_worker,
             "store random access by key": by_key,
-            "WebDataset streaming": webdataset,
+            "WebDataset streaming (groups, gathered)": webdataset,
         },
         args.rounds,
     )

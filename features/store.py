@@ -51,17 +51,21 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
 import socket
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import google_crc32c
+import numcodecs
 import numpy as np
 import zarr
 from pydantic import Field as PydanticField
@@ -78,6 +82,9 @@ LOCK = ".lock"
 SHARD_LOCKS = ".shard_locks"  # one lock file per shard held by a shard writer
 RAGGED_ROWS_PER_SAMPLE = 16  # expected rows per sample of a ragged field, sizes its chunks
 INCOMPLETE = ".incomplete"  # suffix of the folder a store is built in
+IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
+MAX_MAPS = 4096  # shard files a reader keeps mapped (each holds a file descriptor)
+CACHED_CHUNKS = 16  # chunks a reader of a remote or compressed store keeps
 
 
 class StoreConfig(Section):
@@ -151,9 +158,41 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _chunk_key(field_name: str, index: int, ndim: int) -> str:
-    """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group."""
-    return "/".join([field_name, "c", str(index)] + ["0"] * (ndim - 1))
+def file_checksum(data) -> str:
+    """Checksum of a store file's bytes, as commit markers record it: ``crc32c:<hex>``
+    (CRC-32C, in hardware at ~10 GB/s: it detects corrupt and truncated files, as Zarr's
+    own shard-index CRC-32C does, at a small fraction of a SHA-256's cost). Markers of
+    older stores hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
+    return f"crc32c:{google_crc32c.value(_readonly(data)):08x}"
+
+
+def _readonly(data):
+    """``data`` as google_crc32c takes it (bytes, or a read-only array): no copy."""
+    if isinstance(data, bytes):
+        return data
+    view = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    view = view.reshape(-1).view(np.uint8)
+    view.flags.writeable = False
+    return view
+
+
+def _checksum_matches(data: bytes, recorded: str) -> bool:
+    if recorded.startswith("crc32c:"):
+        return file_checksum(data) == recorded
+    return sha256_bytes(data) == recorded
+
+
+SEPARATOR = "."  # chunk keys c.<k>.0.0: one file per shard, no directory per shard
+
+
+def _chunk_key(field_name: str, index: int, ndim: int, separator: str = SEPARATOR) -> str:
+    """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group:
+    ``name/c.<index>.0..`` (stores made before the flat keys: ``name/c/<index>/0/..``)."""
+    return f"{field_name}/" + separator.join(["c", str(index)] + ["0"] * (ndim - 1))
+
+
+def _flat_keys() -> dict:
+    return {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
 
 
 def _codecs(cfg: StoreConfig) -> dict:
@@ -424,6 +463,11 @@ class StoreWriter:
         files = [_chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
         return [*files, _chunk_key(COMMITS, shard, 1)]
 
+    def _layout(self) -> dict:
+        """The layout params, and the chunk keys' separator (a store with other keys is
+        started over)."""
+        return {**self.cfg.model_dump(), "chunk_key_separator": SEPARATOR}
+
     def _existing_attrs(self) -> dict | None:
         """The attributes of the incomplete store, or None if there is none, it was cut
         short while being created, or it is damaged: this folder is the writer's own, so
@@ -440,7 +484,7 @@ class StoreWriter:
         return (
             attrs.get("schema_version") == SCHEMA_VERSION
             and attrs.get("fingerprint") == self.fingerprint
-            and attrs.get("layout") == self.cfg.model_dump()
+            and attrs.get("layout") == self._layout()
             and attrs.get("n") == self.n
         )
 
@@ -471,12 +515,14 @@ class StoreWriter:
             "fingerprint": self.fingerprint,
             "inputs": asdict(self.provenance),
             "fields": {k: asdict(v) for k, v in self.fields.items()},
-            "layout": cfg.model_dump(),
+            "layout": self._layout(),
             "n": self.n,
             "n_shards": self.n_shards,
             "complete": False,
         }
-        keys = group.create_array("keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str)
+        keys = group.create_array(
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **_flat_keys()
+        )
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
         chunk = cfg.samples_per_chunk
@@ -493,6 +539,7 @@ class StoreWriter:
                     dtype=spec.dtype,
                     fill_value=0,
                     **_codecs(cfg),
+                    **_flat_keys(),
                 )
                 name, spec = f"{name}_offsets", FieldSpec((), "int64")
             group.create_array(
@@ -503,8 +550,9 @@ class StoreWriter:
                 dtype=spec.dtype,
                 fill_value=0,
                 **_codecs(cfg),
+                **_flat_keys(),
             )
-        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str)
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **_flat_keys())
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
@@ -597,10 +645,15 @@ class StoreWriter:
                     f"store {self.path}: field {name!r} of shard {shard} has shape "
                     f"{array.shape}, expected {(stop - start, *spec.shape)}"
                 )
-            self.group[name][start:stop] = array
-            files[_chunk_key(name, shard, array.ndim)] = ""
-        for rel in files:
-            files[rel] = sha256_bytes((self.path / rel).read_bytes())
+            rel = _chunk_key(name, shard, array.ndim)
+            if self.cfg.compression == "none":
+                files[rel] = self._write_raw_shard(rel, array)
+            else:
+                self.group[name][start:stop] = array
+                files[rel] = ""
+        for rel, checksum in files.items():
+            if not checksum:
+                files[rel] = file_checksum((self.path / rel).read_bytes())
         marker = {
             "shard": shard,
             "start": start,
@@ -609,8 +662,51 @@ class StoreWriter:
             "files": files,
             "notes": notes,
         }
-        self.commits[shard] = json.dumps(marker, sort_keys=True)
+        self._write_marker(shard, json.dumps(marker, sort_keys=True))
         self.committed.add(shard)
+
+    def _write_marker(self, shard: int, text: str) -> None:
+        """Commit shard ``shard``: its marker, the chunk Zarr writes for ``commits[shard] =
+        text`` (vlen-utf8, then zstd level 0: the same bytes, tested), by atomic rename."""
+        data = numcodecs.Zstd(level=0).encode(
+            numcodecs.VLenUTF8().encode(np.array([text], dtype=object))
+        )
+        path = self.path / _chunk_key(COMMITS, shard, 1)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+
+    def _write_raw_shard(
+        self, rel: str, array: np.ndarray, chunk: int | None = None, per_shard: int | None = None
+    ) -> str:
+        """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``;
+        a dense field's by default) as Zarr's sharding codec lays it out (the chunks along
+        axis 0 back to back, then the index: (offset, nbytes) uint64 per chunk, absent
+        ones all ones, and the index's CRC-32C), by atomic rename; returns its checksum.
+        The same bytes Zarr writes (tested), without its per-chunk encoding, and
+        checksummed as written rather than read back."""
+        chunk = chunk or self.cfg.samples_per_chunk
+        per_shard = per_shard or self.cfg.samples_per_shard
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        present = -(-len(array) // chunk)
+        chunk_bytes = chunk * array[0].nbytes if len(array) else 0
+        index = np.full((per_shard // chunk, 2), np.iinfo(np.uint64).max, dtype="<u8")
+        index[:present, 0] = np.arange(present, dtype=np.uint64) * chunk_bytes
+        index[:present, 1] = chunk_bytes
+        tail = index.tobytes()
+        tail += google_crc32c.value(tail).to_bytes(4, "little")
+        padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
+        crc = google_crc32c.value(_readonly(array))
+        crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(tmp, "wb") as f:
+            array.tofile(f)
+            f.write(padding)
+            f.write(tail)
+        os.replace(tmp, path)
+        return f"crc32c:{crc:08x}"
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
         if len(samples) != stop - start:
@@ -618,12 +714,17 @@ class StoreWriter:
                 f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
                 f"shard range {start}:{stop}"
             )
+        raw = self.cfg.compression == "none"
         values = self.group[name]
         first = values.shape[0]
         lengths = [len(s) for s in samples]
         offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        self.group[f"{name}_offsets"][start:stop] = offsets
-        files[_chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)] = ""
+        rel = _chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
+        if raw:
+            files[rel] = self._write_raw_shard(rel, offsets)
+        else:
+            self.group[f"{name}_offsets"][start:stop] = offsets
+            files[rel] = ""
         last = first + sum(lengths)
         if last > first:
             flat = np.concatenate([np.asarray(s, dtype=spec.dtype) for s in samples])
@@ -633,10 +734,24 @@ class StoreWriter:
                     f"{flat.shape[1:]}, expected {spec.shape}"
                 )
             values.resize((last, *spec.shape))
-            values[first:last] = flat
-            shard_rows = values.shards[0]
+            shard_rows, chunk_rows = values.shards[0], values.chunks[0]
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
-                files[_chunk_key(name, index, values.ndim)] = ""
+                rel = _chunk_key(name, index, values.ndim)
+                if not raw:
+                    files[rel] = ""
+                    continue
+                lo, hi = index * shard_rows, min(last, (index + 1) * shard_rows)
+                rows = flat[max(lo - first, 0) : hi - first]
+                if lo < first:  # the file's rows so far come first: read them back
+                    kept = np.fromfile(
+                        self.path / rel,
+                        np.dtype(spec.dtype).newbyteorder("<"),
+                        count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
+                    )
+                    rows = np.concatenate([kept.reshape(first - lo, *spec.shape), rows])
+                files[rel] = self._write_raw_shard(rel, rows, chunk_rows, shard_rows)
+            if not raw:
+                values[first:last] = flat
         return [int(first), int(last)]
 
     def write_extra(self, name: str, array: np.ndarray) -> None:
@@ -651,7 +766,7 @@ class StoreWriter:
         extra[...] = array
         rel = "/".join([name, "c"] + ["0"] * array.ndim) if array.ndim else f"{name}/c"
         attrs = dict(self.group.attrs["vse"])
-        attrs.setdefault("extras", {})[name] = sha256_bytes((self.path / rel).read_bytes())
+        attrs.setdefault("extras", {})[name] = file_checksum((self.path / rel).read_bytes())
         attrs["extras_files"] = {**attrs.get("extras_files", {}), name: rel}
         self.group.attrs["vse"] = attrs
 
@@ -666,7 +781,7 @@ class StoreWriter:
     def _write_checksums(self) -> None:
         """The checksum manifest: every file of the finalized store. Chunks keep the
         checksums their commit markers recorded (so damage after a commit still shows);
-        the rest (metadata, keys, markers, extras) are hashed now."""
+        the rest (metadata, keys, markers, extras) are checksummed now (CRC-32C)."""
         files: dict[str, str] = {}
         for marker in self.commits[:]:
             files.update(json.loads(marker)["files"])  # later shards: final ragged files
@@ -678,7 +793,7 @@ class StoreWriter:
         )
         for rel, path in _store_files(self.path):
             if rel not in files and rel != CHECKSUMS_CHUNK:
-                files[rel] = sha256_bytes(path.read_bytes())
+                files[rel] = file_checksum(path.read_bytes())
         manifest[0] = checksums_text(files)
 
 
@@ -704,6 +819,61 @@ def _damaged(url: str, what: str, err: BaseException | str) -> StoreError:
         f"{url}: {what} is damaged ({detail}); run `vse store verify {url}` to see which "
         "files, then rebuild the store (dvc repro) or restore it from the DVC cache"
     )
+
+
+def take_rows(
+    part: Callable[[int], np.ndarray],
+    starts: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+    positions: np.ndarray | None = None,
+) -> None:
+    """``out[positions[i]] = R[rows[i]]`` where R is the rows of several arrays laid end
+    to end: ``part(k)`` holds rows ``starts[k]:`` up to the next start. One fancy-indexed
+    copy per part touched, no per-row Python work. ``positions`` defaults to
+    ``0..len(rows) - 1``; ``rows`` must be valid (the caller checks them)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return
+    if len(starts) == 1:
+        local = rows - starts[0]
+        if positions is None:  # one copy straight into the output ("clip": rows are valid,
+            np.take(part(0), local, axis=0, out=out, mode="clip")  # "raise" buffers)
+        else:
+            out[positions] = part(0)[local]
+        return
+    which = np.searchsorted(starts, rows, side="right") - 1  # (n,) part of each row
+    if positions is None and np.all(which[1:] >= which[:-1]):
+        # rows sorted by part: each part fills a contiguous slice, copied straight in
+        cuts = np.flatnonzero(np.diff(which)) + 1
+        for lo, hi in zip([0, *cuts], [*cuts, len(rows)], strict=True):
+            k = int(which[lo])
+            np.take(part(k), rows[lo:hi] - starts[k], axis=0, out=out[lo:hi], mode="clip")
+        return
+    order = np.argsort(which, kind="stable")
+    cuts = np.flatnonzero(np.diff(which[order])) + 1
+    for group in np.split(order, cuts):
+        k = int(which[group[0]])
+        dest = group if positions is None else positions[group]
+        out[dest] = part(k)[rows[group] - starts[k]]  # a gather, then a scatter
+
+
+def padded_rows(
+    take: Callable, offsets: np.ndarray, indices: np.ndarray, row_shape, dtype, alloc=np.empty
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``indices`` of a ragged array (sample i: rows ``offsets[i]:offsets[i+1]``),
+    zero-padded to ``(B, L, *row_shape)`` (L the longest, at least 1) in an array from
+    ``alloc``, and their ``(B,)`` lengths. ``take(rows, out, positions)`` copies value rows:
+    only the samples' own rows are copied, in one vectorised call."""
+    starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+    width = max(int(lengths.max(initial=0)), 1)
+    out = alloc((len(indices), width, *row_shape), np.dtype(dtype))
+    flat = out.reshape(len(indices) * width, *row_shape)
+    valid = (np.arange(width)[None, :] < lengths[:, None]).reshape(-1)  # (B * L,)
+    rows = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)[valid]
+    take(rows, flat, np.flatnonzero(valid))
+    flat[~valid] = 0
+    return out, lengths
 
 
 def _open_group(url: str | Path, storage_options: dict | None = None):
@@ -750,7 +920,12 @@ class Store:
     storage_options: dict | None = None
     _key_index: dict[str, int] | None = field(default=None, repr=False)
     _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    _maps: dict = field(default_factory=dict, repr=False)
+    _maps: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _memory: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _chunks: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _arrays: dict = field(default_factory=dict, repr=False)
+    _layouts: dict = field(default_factory=dict, repr=False)
+    _views: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def open(
@@ -870,11 +1045,26 @@ class Store:
                 "rerun the extraction to finish the store"
             )
 
+    def _checked(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as int64, each in range and in a committed shard."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
+            bad = indices[(indices < 0) | (indices >= len(self))][0]
+            raise IndexError(f"{self.url}: index {bad} out of range for {len(self)} samples")
+        shards = indices // self.samples_per_shard
+        if len(indices) and not self.committed[shards].all():
+            missing = sorted({int(k) for k in shards[~self.committed[shards]]})
+            raise StoreError(
+                f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
+                "extraction to finish the store"
+            )
+        return indices
+
     def offsets(self, name: str) -> np.ndarray:
         """(N+1,) row offsets of a ragged field: sample i is rows offsets[i]:offsets[i+1]."""
         if name not in self._offsets:
-            starts = self.group[f"{name}_offsets"][:]
-            self._offsets[name] = np.append(starts, self.group[name].shape[0]).astype(np.int64)
+            starts = self._array(f"{name}_offsets")[:]
+            self._offsets[name] = np.append(starts, self._array(name).shape[0]).astype(np.int64)
         return self._offsets[name]
 
     def read(
@@ -883,7 +1073,7 @@ class Store:
         """Fields of samples ``start:stop``; a ragged field comes as a list of arrays.
 
         With ``copy=False`` dense fields of a local, uncompressed store may come back as
-        read-only views of the memory-mapped shard files (what the training loader uses).
+        read-only views of the memory-mapped shard files.
         """
         self._check_committed(start, stop)
         out: dict[str, Any] = {}
@@ -906,18 +1096,24 @@ class Store:
         """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
         return self.attrs["layout"]["compression"] == "none" and "://" not in self.url
 
-    def _shard_file(self, name: str, shard: int, ndim: int) -> tuple[np.memmap, np.ndarray]:
-        """A shard file mapped into memory, and its index: (offset, nbytes) per chunk."""
+    def _shard_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
+        """Shard file ``shard`` (along axis 0) of array ``name`` (a field, or a ragged
+        field's rows) mapped into memory, and its index: (offset, nbytes) per chunk."""
         cache_key = (name, shard)
-        if cache_key not in self._maps:
-            if len(self._maps) >= 256:  # bound the open mappings
-                self._maps.pop(next(iter(self._maps)))
-            data = np.memmap(Path(self.url) / _chunk_key(name, shard, ndim), np.uint8, "r")
-            n_chunks = self.samples_per_shard // self.samples_per_chunk
-            # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
-            index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
-            self._maps[cache_key] = (data, index)
-        return self._maps[cache_key]
+        if cache_key in self._maps:
+            self._maps.move_to_end(cache_key)
+            return self._maps[cache_key]
+        if len(self._maps) >= MAX_MAPS:  # each mapping holds a file descriptor
+            self._maps.popitem(last=False)
+        array = self._array(name)
+        separator = self.attrs["layout"].get("chunk_key_separator", "/")
+        rel = _chunk_key(name, shard, array.ndim, separator)
+        data = np.memmap(Path(self.url) / rel, np.uint8, "r")
+        n_chunks = array.shards[0] // array.chunks[0]
+        # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
+        index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
+        self._maps[cache_key] = (data, index)
+        return data, index
 
     def _mapped(self, name: str, spec: FieldSpec, start: int, stop: int) -> np.ndarray:
         chunk, per_shard = self.samples_per_chunk, self.samples_per_shard
@@ -925,12 +1121,121 @@ class Store:
         pieces = []
         for c in range(start // chunk, (stop - 1) // chunk + 1):
             shard, inner = divmod(c * chunk, per_shard)
-            data, index = self._shard_file(name, shard, 1 + len(spec.shape))
+            data, index = self._shard_file(name, shard)
             offset, nbytes = (int(v) for v in index[inner // chunk])
             values = data[offset : offset + nbytes].view(dtype).reshape(chunk, *spec.shape)
             lo, hi = max(start - c * chunk, 0), min(stop - c * chunk, chunk)
             pieces.append(values[lo:hi])
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _array(self, name: str):
+        """Zarr array ``name``, kept (each lookup through the group costs ~1 ms)."""
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
+    def _layout(self, name: str) -> tuple[tuple[int, ...], int, int, np.dtype]:
+        """Shape, rows per chunk, rows per shard file and dtype of array ``name``, kept."""
+        if name not in self._layouts:
+            array = self._array(name)
+            self._layouts[name] = (
+                tuple(array.shape),
+                array.chunks[0],
+                array.shards[0],
+                np.dtype(array.dtype).newbyteorder("<"),
+            )
+        return self._layouts[name]
+
+    def _part(self, name: str, k: int) -> np.ndarray:
+        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array
+        (kept): a view of its memory-mapped shard file, which holds its chunks back to back
+        in order (what the writer produces; a file laid out otherwise is read through
+        Zarr)."""
+        key = (name, k)
+        if key in self._views:
+            self._views.move_to_end(key)
+            return self._views[key]
+        shape, chunk_rows, shard_rows, dtype = self._layout(name)
+        data, index = self._shard_file(name, k)
+        n = -(-(min(shape[0], (k + 1) * shard_rows) - k * shard_rows) // chunk_rows)
+        chunk_bytes = chunk_rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        expected = np.stack([np.arange(n) * chunk_bytes, np.full(n, chunk_bytes)], 1)
+        if np.array_equal(index[:n], expected):
+            view = data[: n * chunk_bytes].view(np.ndarray).view(dtype)
+            view = view.reshape(n * chunk_rows, *shape[1:])
+        else:
+            view = self._zarr_part(name, k, shard_rows)
+        if len(self._views) >= MAX_MAPS:
+            self._views.popitem(last=False)
+        self._views[key] = view
+        return view
+
+    def _zarr_part(self, name: str, k: int, rows: int) -> np.ndarray:
+        """Rows ``k * rows:(k + 1) * rows`` of array ``name`` read through Zarr; the last
+        few are kept (remote and compressed stores read a chunk at a time)."""
+        key = (name, k, rows)
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+        else:
+            if len(self._chunks) >= CACHED_CHUNKS:
+                self._chunks.popitem(last=False)
+            self._chunks[key] = self._array(name)[k * rows : (k + 1) * rows]
+        return self._chunks[key]
+
+    def _take(self, name: str, rows: np.ndarray, out: np.ndarray, positions=None) -> None:
+        """``out[positions] = rows`` of array ``name`` (a dense field's samples or a ragged
+        field's value rows; ``rows`` valid): from memory when the array is small (read
+        once), else one fancy-indexed copy per memory-mapped shard file touched (local,
+        uncompressed stores) or per chunk read through Zarr (remote or compressed)."""
+        shape, chunk_rows, shard_rows, dtype = self._layout(name)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if name not in self._memory and nbytes <= IN_MEMORY_BYTES:
+            self._memory[name] = (
+                self._mapped_rows(name) if self._mappable else np.asarray(self._array(name)[...])
+            )
+        if name in self._memory:
+            take_rows(lambda k: self._memory[name], np.zeros(1, np.int64), rows, out, positions)
+            return
+        if self._mappable:
+            unit = shard_rows
+            part = functools.partial(self._part, name)
+        else:
+            unit = chunk_rows
+            part = functools.partial(self._zarr_part, name, rows=unit)
+        take_rows(part, np.arange(0, shape[0], unit, dtype=np.int64), rows, out, positions)
+
+    def _mapped_rows(self, name: str) -> np.ndarray:
+        """All rows of array ``name`` copied from its shard files."""
+        shape, _, shard_rows, dtype = self._layout(name)
+        n_files = -(-shape[0] // shard_rows)
+        if not n_files:
+            return np.empty(shape, dtype)
+        return np.concatenate([self._part(name, k) for k in range(n_files)])[: shape[0]]
+
+    def gather(self, name: str, indices: Sequence[int], alloc=np.empty) -> np.ndarray:
+        """Dense field ``name`` of the samples at ``indices`` (any order, repeats allowed):
+        ``(len(indices), *shape)`` in the stored dtype, in an array from ``alloc(shape,
+        dtype)`` (e.g. a preallocated buffer), with one copy of the wanted samples only."""
+        indices = self._checked(indices)
+        spec = self.fields[name]
+        if spec.ragged:
+            raise StoreError(f"{self.url}: field {name!r} is ragged; use gather_ragged")
+        out = alloc((len(indices), *spec.shape), np.dtype(spec.dtype))
+        self._take(name, indices, out)
+        return out
+
+    def gather_ragged(
+        self, name: str, indices: Sequence[int], alloc=np.empty
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Ragged field ``name`` of the samples at ``indices``, zero-padded: ``(B, L,
+        *shape)`` with L the longest (at least 1), in an array from ``alloc``, and the
+        ``(B,)`` int64 lengths. Only the samples' own rows are copied."""
+        indices = self._checked(indices)
+        spec = self.fields[name]
+        if not spec.ragged:
+            raise StoreError(f"{self.url}: field {name!r} is dense; use gather")
+        take = functools.partial(self._take, name)
+        return padded_rows(take, self.offsets(name), indices, spec.shape, spec.dtype, alloc)
 
     def __getitem__(self, item: int | str) -> dict:
         index = self.index(item) if isinstance(item, str) else int(item)
@@ -939,25 +1244,36 @@ class Store:
         return {name: value[0] for name, value in self.read(index, index + 1).items()}
 
     def read_indices(self, indices: Sequence[int], fields: Sequence[str] | None = None) -> dict:
-        """Samples at arbitrary indices, in the given order (one read per touched chunk)."""
-        indices = np.asarray(indices, dtype=np.int64)
-        chunk = self.samples_per_chunk
-        order = np.argsort(indices, kind="stable")
-        parts: dict[str, list] = {name: [None] * len(indices) for name in fields or self.fields}
-        sorted_idx = indices[order]
-        boundaries = np.flatnonzero(np.diff(sorted_idx // chunk)) + 1
-        for group_pos in np.split(np.arange(len(indices)), boundaries):
-            if not len(group_pos):
+        """Samples at arbitrary indices, in the given order: dense fields stacked, ragged
+        ones as lists of arrays (views of one gathered block)."""
+        indices = self._checked(indices)
+        out: dict[str, Any] = {}
+        for name in fields or self.fields:
+            spec = self.fields[name]
+            if not spec.ragged:
+                out[name] = self.gather(name, indices)
                 continue
-            lo, hi = int(sorted_idx[group_pos[0]]), int(sorted_idx[group_pos[-1]]) + 1
-            block = self.read(lo, hi, fields)
-            for name, values in block.items():
-                for p in group_pos:
-                    parts[name][order[p]] = values[int(sorted_idx[p]) - lo]
-        return {
-            name: values if self.fields[name].ragged else np.stack(values)
-            for name, values in parts.items()
-        }
+            offsets = self.offsets(name)
+            starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+            ends = np.cumsum(lengths)
+            rows = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(
+                starts - (ends - lengths), lengths
+            )
+            values = np.empty((len(rows), *spec.shape), np.dtype(spec.dtype))
+            self._take(name, rows, values)
+            out[name] = np.split(values, ends[:-1])
+        return out
+
+    def __getstate__(self) -> dict:
+        """Picklable (e.g. for data-loading worker processes): handles are reopened."""
+        state = dict(self.__dict__)
+        state.update(group=None, _key_index=None, _memory={}, _arrays={})
+        state.update(_maps=OrderedDict(), _chunks=OrderedDict(), _views=OrderedDict())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.group, _ = _open_group(self.url, self.storage_options)
 
     # -- integrity
 
@@ -1006,11 +1322,12 @@ def find_stores(root: str | Path) -> Iterator[Path]:
 
 
 def checksums_text(files: Mapping[str, str]) -> str:
-    """The checksum manifest: canonical JSON of the files' SHA-256 and a digest of that
-    listing, so that the manifest checks itself (any change to it breaks one or the other,
-    or its canonical form)."""
+    """The checksum manifest: canonical JSON of the files' checksums (``crc32c:<hex>``, or
+    SHA-256 hex in stores committed before CRC-32C) and a SHA-256 digest of that listing,
+    so that the manifest checks itself (any change to it breaks one or the other, or its
+    canonical form)."""
     listing = json.dumps(dict(sorted(files.items())), separators=(",", ":"))
-    body = {"algorithm": "sha256", "files": dict(sorted(files.items()))}
+    body = {"files": dict(sorted(files.items()))}
     body["digest"] = sha256_bytes(listing.encode())
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
@@ -1098,7 +1415,9 @@ def _commit_markers(url: str, storage_options, n_shards: int | None, problems: l
             if marker is not None and not isinstance(marker.get("files"), dict):
                 raise ValueError("no file checksums")
         except Exception as err:  # noqa: BLE001 - damaged chunk: name it, go on
-            problems.append(f"{COMMITS}/c/{k}: corrupt ({type(err).__name__}: {err})"[:200])
+            separator = commits.metadata.chunk_key_encoding.separator
+            rel = _chunk_key(COMMITS, k, 1, separator)
+            problems.append(f"{rel}: corrupt ({type(err).__name__}: {err})"[:200])
             marker = None
         else:
             if marker is None:
@@ -1168,7 +1487,7 @@ def verify_store(url: str | Path, storage_options: dict | None = None) -> list[s
         except FileNotFoundError:
             problems.append(f"{rel}: missing")
             continue
-        if sha256_bytes(data) != digest:
+        if not _checksum_matches(data, digest):
             problems.append(f"{rel}: corrupt (checksum mismatch)")
     if files is not None:
         for rel in sorted(present - set(files) - {CHECKSUMS_CHUNK}):

@@ -13,7 +13,8 @@ Cao, Nie, Tian; ACM MM 2020; ``../shared/papers/camera.txt``).
   (eq. 16), an MLP with a residual (eq. 17), the mean over the tokens (eq. 18),
   L2-normalised: ``(B, D)``.
 - Score: the best view's cosine (eq. 19). Loss: the hardest-negative (MH) triplet loss
-  (eq. 20) plus ``lambda`` times the diversity regularisation (eq. 21-22).
+  (eq. 20) plus ``lambda`` times the diversity regularisation (eq. 21-22). Scores and
+  the diversity term's Gram matrix are computed in float32 under autocast.
 
 Reductions: both terms are summed over the batch, as in the official code (below). The
 triplet sum is VSE++'s; the diversity term ``||S^T S - I||_F^2`` is computed per image and
@@ -71,7 +72,14 @@ from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, model_validat
 from torch import nn
 
 from features.config import Section
-from models.common import hinge_triplet, l2norm, lengths_mask, masked_mean, multiview_sim
+from models.common import (
+    float32_scores,
+    hinge_triplet,
+    l2norm,
+    lengths_mask,
+    masked_mean,
+    multiview_sim,
+)
 from models.data import DataInfo
 
 
@@ -190,12 +198,14 @@ class Summarization(nn.Module):
 def diversity(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Eq. 21 per image: ``||S^^T S^ - I||_F^2`` with ``S^`` the intermediate importance
     matrix ``S~ (B, R, N)`` L2-normalised over the regions (each view's column); padded
-    regions (``mask (B, R)`` False) are zero rows. Returns ``(B,)``."""
-    s = logits.float().masked_fill(~mask[..., None], 0)  # (B, R, N)
-    s = l2norm(s, dim=1)
-    gram = s.transpose(1, 2) @ s  # (B, N, N)
-    eye = torch.eye(gram.size(-1), device=gram.device, dtype=gram.dtype)
-    return (gram - eye).pow(2).sum(dim=(1, 2))  # (B,)
+    regions (``mask (B, R)`` False) are zero rows. Returns ``(B,)``; in float32 (the
+    view similarities near 1 on the diagonal would round by 2^-8 in bf16)."""
+    with float32_scores(logits.device.type):
+        s = logits.float().masked_fill(~mask[..., None], 0)  # (B, R, N)
+        s = l2norm(s, dim=1)
+        gram = s.transpose(1, 2) @ s  # (B, N, N)
+        eye = torch.eye(gram.size(-1), device=gram.device, dtype=gram.dtype)
+        return (gram - eye).pow(2).sum(dim=(1, 2))  # (B,)
 
 
 class CAMERA(nn.Module):

@@ -29,12 +29,22 @@ Text side::
 
 ``DataInfo`` carries the dimensions a model is built with; it is plain data so that a
 checkpoint can rebuild the model without the stores.
+
+Two steps make a batch. A source *builds* a raw batch (``build(kind, index, alloc)``):
+numpy arrays in the stored dtypes (float16 features, int32 ids widened to int64),
+gathered with one vectorised copy per field (:meth:`features.store.Store.gather`),
+into memory the caller provides. :func:`finish` makes it what the models read: float32,
+image inputs standardised, on the device; it runs once, on the GPU when there is one
+(:mod:`models.batches` runs both steps ahead of the training loop). The sources:
+:class:`PairData` (the feature stores, memory-mapped) and
+:class:`ShardData` (WebDataset shards built from the same stores).
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -44,6 +54,7 @@ import torch
 from features.config import UserError
 from models.common import lengths_mask
 
+STATS_BLOCK = 128  # images read at a time for the feature statistics
 IMAGE_INPUTS = frozenset({"image", "regions", "grid", "labels"})
 TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf", "scene_graph", "labels"})
 
@@ -146,11 +157,91 @@ def scene_graph_batch(graphs: Sequence[dict], index: dict[str, int]) -> dict[str
     return out
 
 
-def _ragged(values: list[np.ndarray], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from features.loader import pad_stack
+def _put(alloc, values: np.ndarray, dtype=None) -> np.ndarray:
+    """A copy of a (small) array in memory from ``alloc``."""
+    values = np.asarray(values, dtype=dtype)
+    out = alloc(values.shape, values.dtype)
+    out[...] = values
+    return out
 
-    padded, lengths = pad_stack([np.asarray(v, dtype=dtype) for v in values])
-    return padded, lengths
+
+def image_arrays(inputs, stores, rows, alloc=np.empty) -> dict[str, np.ndarray]:
+    """The image side of a raw batch (stored dtypes): ``stores`` by role ("global",
+    "regions", "grid"; a :class:`features.store.Store` or anything with its ``gather`` and
+    ``fields``) and each role's sample ``rows``."""
+    out: dict[str, np.ndarray] = {}
+    if "image" in inputs:
+        out["image"] = stores["global"].gather("features", rows["global"], alloc)  # (B, Di)
+    if "regions" in inputs:
+        store, r = stores["regions"], rows["regions"]
+        out["regions"] = store.gather("features", r, alloc)  # (B, R, Dr)
+        lengths = alloc((len(r),), np.int64)
+        np.maximum(store.gather("n_regions", r), 1, out=lengths)
+        out["region_lengths"] = lengths  # (B,)
+        if "boxes" in store.fields:
+            hw = store.gather("image_hw", r).astype(np.float32)  # (B, 2): height, width
+            boxes = store.gather("boxes", r, alloc).astype(np.float32, copy=False)  # (B, R, 4)
+            np.divide(boxes, np.maximum(hw[:, [1, 0, 1, 0]], 1)[:, None, :], out=boxes)
+            out["boxes"] = boxes  # x1, y1, x2, y2 over the image width / height
+    if "grid" in inputs:
+        grid = stores["grid"].gather("features", rows["grid"], alloc)  # (B, g, g, Dg)
+        out["grid"] = grid.reshape(len(grid), -1, grid.shape[-1])  # (B, G, Dg)
+    return out
+
+
+def text_arrays(inputs, text, rows, tfidf_dim: int = 0, alloc=np.empty) -> dict[str, np.ndarray]:
+    """The text side of a raw batch from the caption-level text store (or anything with
+    its ``gather``, ``gather_ragged``) at caption ``rows``; ragged fields zero-padded."""
+    out: dict[str, np.ndarray] = {}
+    if "words" in inputs:
+        ids, lengths = text.gather_ragged("word_ids", rows)  # (B, L) int32
+        out["words"] = _put(alloc, ids, np.int64)
+        out["word_lengths"] = _put(alloc, lengths)  # (B,)
+    if "tokens" in inputs:
+        out["tokens"], lengths = text.gather_ragged("features", rows, alloc)  # (B, T, Dt)
+        out["token_lengths"] = _put(alloc, lengths)
+    if "document" in inputs:
+        out["document"] = text.gather("document", rows, alloc)  # (B, Dd)
+    if "tfidf" in inputs:
+        terms, counts = text.gather_ragged("tfidf_indices", rows)  # (B, K)
+        values, _ = text.gather_ragged("tfidf_values", rows)
+        dense = alloc((len(counts), tfidf_dim), np.float32)  # (B, V)
+        dense.fill(0)
+        valid = np.arange(terms.shape[1])[None, :] < counts[:, None]
+        dense[np.nonzero(valid)[0], terms[valid]] = values[valid]
+        out["tfidf"] = dense
+    return out
+
+
+def finish(batch: dict, stats: dict, alloc=None) -> dict:
+    """A raw batch (tensors, on the CPU or a device) as the models read it: every
+    floating tensor in float32, the image inputs named in ``stats`` standardised as ``(x -
+    mean) / std`` (``stats[key] = (mean, std)``, on the batch's device) with padded
+    regions kept zero. One pass per array, in place; CPU outputs in memory from
+    ``alloc`` when given."""
+    out = dict(batch)
+    for key, value in batch.items():
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            continue
+        if value.dtype == torch.float32 and key not in stats:
+            continue
+        if alloc is not None and value.device.type == "cpu":
+            target = torch.from_numpy(alloc(tuple(value.shape), np.float32))
+        else:
+            target = torch.empty(value.shape, dtype=torch.float32, device=value.device)
+        target.copy_(value)
+        if key in stats:
+            mean, std = stats[key]
+            target.sub_(mean).div_(std)
+        out[key] = target
+    if "regions" in stats and "region_lengths" in out:
+        lengths = out["region_lengths"]
+        width = out["regions"].shape[1]
+        host = getattr(lengths, "host", lengths)  # decided on the host: no device sync
+        if len(host) and int(host.min()) < width:
+            valid = lengths_mask(lengths, width)  # (B, R)
+            out["regions"].masked_fill_(~valid.unsqueeze(-1), 0)  # padding stays zero
+    return out
 
 
 class PairData:
@@ -174,6 +265,8 @@ class PairData:
 
         self.inputs = inputs
         manifest = read_manifest(_need(paths.manifest, "--manifest", "the manifest"))
+        self.manifest_digest = manifest.digest
+        self.paths = paths
         table = manifest.split(split)
         if table.num_rows == 0:
             raise DataError(f"{paths.manifest}: split {split!r} has no images")
@@ -255,29 +348,50 @@ class PairData:
                 for kind, phrases in negatives.items()
             }
         self.info = DataInfo(**info)
+        self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see standardize
 
     def standardize(self, stats: dict[str, list[list[float]]]) -> None:
         """From now on, image inputs come as ``(x - mean) / std`` with ``stats`` (from
         :meth:`feature_stats` on the train split; a checkpoint's ``info`` carries them)."""
-        self._stats = {k: torch.tensor(v, dtype=torch.float32) for k, v in stats.items()}
+        self.stats = {
+            k: tuple(torch.tensor(x, dtype=torch.float32) for x in v) for k, v in stats.items()
+        }
         self.info = replace(self.info, feature_stats=stats)
 
     def feature_stats(self, max_images: int = 5000) -> dict[str, list[list[float]]]:
         """Per-dimension mean and std of the image inputs over (up to ``max_images``) of
         this split's images; regions count only valid ones. Random-init features are
-        dominated by one shared mean vector; standardising them restores contrast."""
-        idx = np.arange(min(self.n_images, max_images))
-        batch = self.image_batch(idx)
+        dominated by one shared mean vector; standardising them restores contrast.
+        Read in blocks, merged with Chan et al.'s pairwise update (float64), so memory
+        stays one block."""
+        n_images = min(self.n_images, max_images)
+        moments: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}  # count, mean, M2
+        for start in range(0, n_images, STATS_BLOCK):
+            raw = self.build("image", np.arange(start, min(n_images, start + STATS_BLOCK)))
+            for key in ("image", "regions", "grid"):
+                if key not in raw:
+                    continue
+                x = raw[key]
+                if key == "regions":
+                    x = x[np.arange(x.shape[1])[None, :] < raw["region_lengths"][:, None]]
+                x = x.reshape(-1, x.shape[-1]).astype(np.float64)  # (n, D)
+                n_b, mean_b = len(x), x.mean(0)
+                m2_b = np.square(x - mean_b).sum(0)
+                if key not in moments:
+                    moments[key] = (n_b, mean_b, m2_b)
+                    continue
+                n_a, mean_a, m2_a = moments[key]
+                n, delta = n_a + n_b, mean_b - mean_a
+                moments[key] = (
+                    n,
+                    mean_a + delta * n_b / n,
+                    m2_a + m2_b + np.square(delta) * n_a * n_b / n,
+                )
         out = {}
-        for key in ("image", "regions", "grid"):
-            if key not in batch:
-                continue
-            x = batch[key]
-            if key == "regions":
-                x = x[lengths_mask(batch["region_lengths"], x.shape[1])]
-            x = x.reshape(-1, x.shape[-1]).double()
-            std = x.std(0).clamp_min(1e-3 * float(x.std(0).mean()) + 1e-12)
-            out[key] = [x.mean(0).float().tolist(), std.float().tolist()]
+        for key, (n, mean, m2) in moments.items():
+            std = np.sqrt(m2 / max(n - 1, 1))  # unbiased, as torch.std
+            std = np.maximum(std, 1e-3 * std.mean() + 1e-12)
+            out[key] = [mean.astype(np.float32).tolist(), std.astype(np.float32).tolist()]
         return out
 
     def __len__(self) -> int:
@@ -287,76 +401,51 @@ class PairData:
     def n_images(self) -> int:
         return len(self.image_keys)
 
-    def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
-        """Image-side tensors for split positions ``images`` (standardised if asked)."""
-        out = self._image_batch(images)
-        for key, (mean, std) in getattr(self, "_stats", {}).items():
-            out[key] = (out[key] - mean) / std
-            if key == "regions":  # padding stays zero
-                valid = lengths_mask(out["region_lengths"], out[key].shape[1])
-                out[key] = out[key] * valid.unsqueeze(-1)
+    def build(self, kind: str, index, alloc=np.empty) -> dict[str, np.ndarray]:
+        """A raw batch (see the module docstring) in memory from ``alloc``: ``kind``
+        "image" (split image positions ``index``), "text" (split caption positions) or
+        "pair" (captions ``index``, each with its image in the same row: positives on the
+        diagonal)."""
+        index = np.asarray(index, dtype=np.int64)
+        if kind == "image":
+            return self._image_arrays(index, alloc)
+        if kind == "text":
+            return self._text_arrays(index, alloc)
+        if kind != "pair":
+            raise ValueError(f"unknown batch kind {kind!r}: image, text or pair")
+        images = self.caption_image[index]
+        return {
+            **self._image_arrays(images, alloc),
+            **self._text_arrays(index, alloc),
+            "caption_image": _put(alloc, images),
+        }
+
+    def _image_arrays(self, images: np.ndarray, alloc) -> dict[str, np.ndarray]:
+        rows = {role: r[images] for role, r in self.image_rows.items()}
+        out = image_arrays(self.inputs, self.stores, rows, alloc)
+        if "labels" in self.inputs:
+            out["labels"] = _put(alloc, self.labels[images])
         return out
 
-    def _image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        if "image" in self.inputs:
-            rows = self.image_rows["global"][images]
-            data = self.stores["global"].read_indices(rows, ["features"])
-            out["image"] = torch.from_numpy(data["features"].astype(np.float32))
-        if "regions" in self.inputs:
-            rows = self.image_rows["regions"][images]
-            data = self.stores["regions"].read_indices(
-                rows, ["features", "boxes", "n_regions", "image_hw"]
-            )
-            hw = data["image_hw"].astype(np.float32)
-            scale = np.stack([hw[:, 1], hw[:, 0], hw[:, 1], hw[:, 0]], axis=1)[:, None, :]
-            out["regions"] = torch.from_numpy(data["features"].astype(np.float32))
-            out["region_lengths"] = torch.from_numpy(data["n_regions"].astype(np.int64)).clamp_min(
-                1
-            )
-            out["boxes"] = torch.from_numpy(
-                (data["boxes"] / np.maximum(scale, 1)).astype(np.float32)
-            )
-        if "grid" in self.inputs:
-            rows = self.image_rows["grid"][images]
-            grid = self.stores["grid"].read_indices(rows, ["features"])["features"]
-            out["grid"] = torch.from_numpy(
-                grid.reshape(len(rows), -1, grid.shape[-1]).astype(np.float32)
-            )
+    def _text_arrays(self, captions: np.ndarray, alloc) -> dict[str, np.ndarray]:
+        out: dict = {}
+        if "text" in self.stores:
+            rows = self.caption_rows[captions]
+            out = text_arrays(self.inputs, self.stores["text"], rows, self.info.tfidf_dim, alloc)
+        if self.graphs is not None:
+            graphs = scene_graph_batch([self.graphs[c] for c in captions], self.word_index)
+            out.update({k: v.numpy() for k, v in graphs.items()})
         if "labels" in self.inputs:
-            out["labels"] = torch.from_numpy(self.labels[images])
+            out["text_labels"] = _put(alloc, self.labels[self.caption_image[captions]])
         return out
+
+    def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
+        """Image-side tensors for split positions ``images``, ready (standardised if asked)."""
+        return finish(_tensors(self.build("image", images)), self.stats)
 
     def text_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
-        """Text-side tensors for split caption positions ``captions``."""
-        out: dict[str, torch.Tensor] = {}
-        wanted = {
-            "words": ["word_ids"],
-            "tokens": ["features"],
-            "document": ["document"],
-            "tfidf": ["tfidf_indices", "tfidf_values"],
-        }
-        fields = [f for name, fs in wanted.items() if name in self.inputs for f in fs]
-        if fields:
-            data = self.stores["text"].read_indices(self.caption_rows[captions], fields)
-            if "words" in self.inputs:
-                out["words"], out["word_lengths"] = _ragged(data["word_ids"], np.int64)
-            if "tokens" in self.inputs:
-                out["tokens"], out["token_lengths"] = _ragged(data["features"], np.float32)
-            if "document" in self.inputs:
-                out["document"] = torch.from_numpy(data["document"].astype(np.float32))
-            if "tfidf" in self.inputs:
-                dense = np.zeros((len(captions), self.info.tfidf_dim), dtype=np.float32)
-                for b, (idx, val) in enumerate(
-                    zip(data["tfidf_indices"], data["tfidf_values"], strict=True)
-                ):
-                    dense[b, idx] = val
-                out["tfidf"] = torch.from_numpy(dense)
-        if self.graphs is not None:
-            out.update(scene_graph_batch([self.graphs[c] for c in captions], self.word_index))
-        if "labels" in self.inputs:
-            out["text_labels"] = torch.from_numpy(self.labels[self.caption_image[captions]])
-        return out
+        """Text-side tensors for split caption positions ``captions``, ready."""
+        return finish(_tensors(self.build("text", captions)), self.stats)
 
     def with_adversarial(self, store: Path, captions: Path) -> PairData:
         """The fake captions of this split's images (``vse extract adversarial``) as a text
@@ -392,16 +481,200 @@ class PairData:
         return fake
 
     def pair_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
-        """Caption ``captions[b]`` with its image in row ``b``: positives on the diagonal."""
-        captions = np.asarray(captions, dtype=np.int64)
-        return {
-            **self.image_batch(self.caption_image[captions]),
-            **self.text_batch(captions),
-            "caption_image": torch.from_numpy(self.caption_image[captions]),
-        }
+        """Caption ``captions[b]`` with its image in row ``b``, ready: positives on the
+        diagonal."""
+        return finish(_tensors(self.build("pair", captions)), self.stats)
+
+
+def _tensors(batch: dict) -> dict:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {
-        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
-    }
+    """Tensors to ``device`` without blocking (from pinned memory the copy is
+    asynchronous). A ``*_lengths`` tensor that moves keeps its host copy as ``.host``
+    (:func:`models.common.host_lengths`): packing a sequence needs lengths on the host,
+    and fetching them back would wait for the device."""
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            moved = value.to(device, non_blocking=True)
+            if key.endswith("_lengths") and moved is not value:
+                moved.host = value
+            value = moved
+        out[key] = value
+    return out
+
+
+class ShardData:
+    """The training pairs of ``data`` (a :class:`PairData` of the train split: sizes,
+    vocabulary, feature statistics) streamed from WebDataset shards (``url``: a folder or
+    an fsspec URL such as ``s3://bucket/shards``) that ``vse shards build`` made from the
+    same stores; they are checked against them (manifest digest, store fingerprints, scene
+    graphs). Same batch contract as :class:`PairData` (:meth:`stream` yields raw "pair"
+    batches, built by the same code from the shards' groups).
+
+    Epoch ``e``: the train shards in an order seeded by ``(seed, e)`` are dealt to the
+    ``world x workers`` streams; each stream shuffles captions in a buffer of
+    ``shuffle_buffer`` captions (whole groups, seeded by ``(seed, e, rank, worker)``) and
+    yields full batches; every rank takes the same number of steps (the smallest over
+    ranks and epochs), so collectives never wait on a rank that ran out. A batch's rows
+    are in storage order (its captions are a random set; the order within it is not).
+    """
+
+    def __init__(self, url: str, data: PairData, cfg, storage_options: dict | None = None):
+        from features.scenegraph_files import GRAPHS
+        from features.shards import check_sources, file_digest, read_sizes, shard_names
+
+        self.url, self.storage_options, self.data = str(url), storage_options, data
+        sizes = read_sizes(self.url, storage_options)
+        graphs = None
+        if data.graphs is not None:
+            graphs = file_digest(Path(data.paths.scenegraphs) / GRAPHS)
+        names = check_sources(self.url, sizes, data.manifest_digest, data.stores, graphs)
+        self.names = names  # role ("regions", "text", ...) -> packed store name
+        self.fields = {role: sizes["stores"][name]["fields"] for role, name in names.items()}
+        self.shards = shard_names(sizes, "train")
+        if not self.shards:
+            raise DataError(f"{self.url}: no train shards; rebuild with `vse shards build`")
+        self.captions = np.array([sizes["shards"][n]["captions"] for n in self.shards])
+        self.batch_size, self.seed, self.epochs = cfg.batch_size, cfg.seed, cfg.epochs
+        self.buffer = max(cfg.shuffle_buffer, cfg.batch_size)
+        self.workers = max(1, cfg.num_workers)
+
+    # the sizes, vocabulary and statistics are the stores'
+    @property
+    def info(self) -> DataInfo:
+        return self.data.info
+
+    @property
+    def stats(self) -> dict:
+        return self.data.stats
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        return self.data.inputs
+
+    @property
+    def word_index(self) -> dict[str, int]:
+        return self.data.word_index
+
+    def feature_stats(self, max_images: int = 5000) -> dict:
+        return self.data.feature_stats(max_images)
+
+    def standardize(self, stats: dict) -> None:
+        self.data.standardize(stats)
+
+    def __len__(self) -> int:
+        return int(self.captions.sum())
+
+    def __getstate__(self) -> dict:  # workers need the shards, not the stores' readers
+        state = dict(self.__dict__)
+        state["data"] = copy.copy(self.data)
+        state["data"].stores, state["data"].graphs = {}, None
+        state["data"].captions = state["data"].caption_keys = []
+        return state
+
+    # -- epochs
+
+    def _mine(self, epoch: int, rank: int, world: int, worker: int) -> np.ndarray:
+        """This stream's shards (positions in ``self.shards``) for ``epoch``."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        return order[rank * self.workers + worker :: world * self.workers]
+
+    def steps(self, world: int) -> int:
+        """Steps per epoch on every rank: full batches the shards give the rank that gets
+        the fewest, in the epoch where that is smallest."""
+        fewest = min(
+            sum(
+                int(self.captions[self._mine(e, r, world, w)].sum()) // self.batch_size
+                for w in range(self.workers)
+            )
+            for e in range(self.epochs)
+            for r in range(world)
+        )
+        if fewest == 0:
+            raise DataError(
+                f"{self.url}: {len(self.shards)} train shards of {len(self)} captions fill no "
+                f"batch of {self.batch_size} on some of {world} ranks x {self.workers} workers; "
+                "rebuild with a smaller shards.samples_per_shard or lower train.num_workers"
+            )
+        return fewest
+
+    def epoch_stream(self, epoch: int, rank: int, world: int):
+        from models.batches import Stream
+
+        return Stream((epoch, rank, world), self.steps(world))
+
+    def stream(self, spec: tuple, worker: int, n_workers: int, alloc) -> Iterator[dict]:
+        """Raw pair batches of one stream (see the class docstring)."""
+        from features.shards import read_groups
+
+        epoch, rank, world = spec
+        rng = np.random.default_rng([self.seed, epoch, rank, worker])
+        held: list = []
+        refs = np.empty((0, 2), np.int64)  # (group in held, caption in group)
+        for position in self._mine(epoch, rank, world, worker):
+            url = f"{self.url.rstrip('/')}/{self.shards[position]}"
+            for group in read_groups(url, self.storage_options):
+                n = int(group.caption_image.shape[0])
+                pairs = np.stack([np.full(n, len(held)), np.arange(n)], 1)
+                held.append(group)
+                refs = np.concatenate([refs, pairs])
+                if len(refs) >= self.buffer:
+                    # at this point the buffer holds >= shuffle_buffer captions
+                    refs = refs[rng.permutation(len(refs))]
+                    yield from self._emit(held, refs, alloc)
+                    held, refs = self._carry(
+                        held, refs[len(refs) // self.batch_size * self.batch_size :]
+                    )
+        refs = refs[rng.permutation(len(refs))]  # the stream's last captions
+        yield from self._emit(held, refs, alloc)
+
+    def _emit(self, held: list, refs: np.ndarray, alloc) -> Iterator[dict]:
+        """The full batches of ``refs`` (in order) from the ``held`` groups."""
+        from features.shards import GroupColumns
+
+        images = {
+            role: GroupColumns(held, self.names[role], self.fields[role], "images")
+            for role in self.names
+            if role != "text"
+        }
+        text = None
+        if "text" in self.names:
+            text = GroupColumns(held, "text", self.fields["text"], "captions")
+        image_base = np.concatenate([[0], np.cumsum([g.n_images for g in held])[:-1]])
+        caption_image = [g.caption_image for g in held]
+        caption_base = np.concatenate([[0], np.cumsum([len(c) for c in caption_image])[:-1]])
+        flat_image = np.concatenate(caption_image) if held else np.empty(0, np.int64)
+        for start in range(0, len(refs) // self.batch_size * self.batch_size, self.batch_size):
+            chosen = refs[start : start + self.batch_size]
+            # a random set of captions; in storage order, each group's rows are copied
+            # into the batch in one slice
+            chosen = chosen[np.lexsort((chosen[:, 1], chosen[:, 0]))]
+            captions = caption_base[chosen[:, 0]] + chosen[:, 1]  # rows among held captions
+            rows = image_base[chosen[:, 0]] + flat_image[captions]  # rows among held images
+            yield self._batch(held, images, text, rows, captions, alloc)
+
+    def _batch(self, held, images, text, rows, captions, alloc) -> dict[str, np.ndarray]:
+        out = image_arrays(self.inputs, images, {role: rows for role in images}, alloc)
+        if text is not None:
+            out.update(text_arrays(self.inputs, text, captions, self.info.tfidf_dim, alloc))
+        index = np.concatenate([g.meta["index"] for g in held])[rows]
+        if "labels" in self.inputs:
+            labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in held])
+            out["labels"] = out["text_labels"] = _put(alloc, labels[rows])
+        if "scene_graph" in self.inputs:
+            graphs = [graph for g in held for graph in g.meta["scene_graphs"]]
+            batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
+            out.update({k: v.numpy() for k, v in batch.items()})
+        out["caption_image"] = _put(alloc, index)
+        return out
+
+    @staticmethod
+    def _carry(held: list, refs: np.ndarray) -> tuple[list, np.ndarray]:
+        """The groups still referenced by the captions left over (fewer than a batch)."""
+        kept = np.unique(refs[:, 0])
+        remap = np.full(len(held), -1, np.int64)
+        remap[kept] = np.arange(len(kept))
+        return [held[k] for k in kept], np.stack([remap[refs[:, 0]], refs[:, 1]], 1)

@@ -15,18 +15,18 @@ or caption (its key), never a number in the report.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from features.config import Section
 from features.device import Device
 from features.finite import NonFiniteError, finite_rows
 from models.common import autocast
-from models.data import to_device
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
 
 
@@ -37,14 +37,26 @@ class EvaluateConfig(Section):
     fold_size: PositiveInt = 1000  # COCO 1K: folds of this many images (when >= 2 fit)
     batch_size: PositiveInt = 256
     device: Device = "auto"
+    num_workers: int = Field(0, ge=0, le=64)  # batch-building processes (0: a thread)
+    prefetch: int = Field(2, ge=0, le=64)  # batches built ahead (per worker)
+
+    @model_validator(mode="after")
+    def _workers_prefetch(self) -> EvaluateConfig:
+        if self.num_workers and not self.prefetch:
+            raise ValueError("workers build at least one batch ahead: prefetch >= 1")
+        return self
 
 
 @torch.no_grad()
-def _encode(encode, batches, device) -> torch.Tensor:
+def _encode(encode, kind: str, n: int, batch_size: int, batches) -> torch.Tensor:
+    """``encode`` of items ``0..n-1`` of ``batches.source`` in batches of ``kind``, read
+    through the data path of training (:class:`models.batches.Batches`)."""
+    idx = np.arange(n)
+    tasks = [(kind, idx[i : i + batch_size]) for i in range(0, n, batch_size)]
     out = []
-    for batch in batches:
-        with autocast(device):
-            out.append(encode(to_device(batch, device)).float())
+    for batch in batches.run(tasks):
+        with autocast(batches.device):
+            out.append(encode(batch).float())
     return torch.cat(out)
 
 
@@ -63,27 +75,36 @@ def refuse_non_finite(embeddings: torch.Tensor, keys, what: str) -> None:
     )
 
 
-def encode_images(model, data, batch_size: int, device) -> torch.Tensor:
-    idx = np.arange(data.n_images)
-    batches = (data.image_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
-    img = _encode(model.encode_image, batches, device)
+def _batches(data, device, batches):
+    """``batches`` as a context manager, or a new :class:`models.batches.Batches` of ``data``
+    (a thread) that is closed after use."""
+    from models.batches import Batches
+
+    return nullcontext(batches) if batches is not None else Batches(data, device)
+
+
+def encode_images(model, data, batch_size: int, device, batches=None) -> torch.Tensor:
+    """``(n_images, ...)`` image embeddings of ``data`` (a ``Batches`` of it, or a thread)."""
+    with _batches(data, device, batches) as b:
+        img = _encode(model.encode_image, "image", data.n_images, batch_size, b)
     refuse_non_finite(img, getattr(data, "image_keys", None), "image")
     return img
 
 
-def encode_texts(model, data, batch_size: int, device, n: int | None = None) -> torch.Tensor:
-    idx = np.arange(len(data) if n is None else n)
-    batches = (data.text_batch(idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
-    txt = _encode(model.encode_text, batches, device)
+def encode_texts(model, data, batch_size: int, device, n: int | None = None, batches=None):
+    """``(n_captions, D)`` caption embeddings of ``data`` (the first ``n`` if given)."""
+    with _batches(data, device, batches) as b:
+        txt = _encode(model.encode_text, "text", len(data) if n is None else n, batch_size, b)
     refuse_non_finite(txt, getattr(data, "caption_keys", None), "caption")
     return txt
 
 
-def evaluate_split(model, data, batch_size: int, device) -> dict[str, float]:
-    """Retrieval metrics of ``model`` on all images and captions of ``data``."""
+def evaluate_split(model, data, batch_size: int, device, batches=None) -> dict[str, float]:
+    """Retrieval metrics of ``model`` on all images and captions of ``data`` (read through
+    ``batches``, a :class:`models.batches.Batches` of ``data``, or a new one)."""
     model.eval()
-    img = encode_images(model, data, batch_size, device)
-    txt = encode_texts(model, data, batch_size, device)
+    img = encode_images(model, data, batch_size, device, batches)
+    txt = encode_texts(model, data, batch_size, device, batches=batches)
     sims = similarity_matrix(model.similarity, img, txt)
     return retrieval_metrics(sims, torch.from_numpy(data.caption_image).to(sims.device))
 
@@ -125,9 +146,11 @@ def classification_metrics(model, img, txt, data) -> dict:
     return out
 
 
-def adversarial_metrics(model, img, txt, data, adversarial, batch_size, device) -> dict:
+def adversarial_metrics(
+    model, img, txt, data, adversarial, batch_size, device, batches=None
+) -> dict:
     """Image-to-text retrieval with each attack's fake captions added as candidates."""
-    fake = encode_texts(model, adversarial, batch_size, device)
+    fake = encode_texts(model, adversarial, batch_size, device, batches=batches)
     out = {}
     for attack in sorted(set(adversarial.attacks)):
         cols = torch.from_numpy(np.flatnonzero(adversarial.attacks == attack)).to(device)
@@ -147,9 +170,13 @@ def adversarial_metrics(model, img, txt, data, adversarial, batch_size, device) 
 
 def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -> dict:
     """Everything ``vse evaluate`` reports for one model on one split."""
+    from models.batches import Batches
+
     model.eval()
-    img = encode_images(model, data, cfg.batch_size, device)
-    txt = encode_texts(model, data, cfg.batch_size, device)
+    options = {"num_workers": cfg.num_workers, "prefetch": cfg.prefetch}
+    with Batches(data, device, **options) as batches:
+        img = encode_images(model, data, cfg.batch_size, device, batches)
+        txt = encode_texts(model, data, cfg.batch_size, device, batches=batches)
     sims = similarity_matrix(model.similarity, img, txt)
     c2i = torch.from_numpy(data.caption_image).to(device)
     report: dict = {
@@ -165,9 +192,10 @@ def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -
     if hasattr(model, "classify"):
         report["classification"] = classification_metrics(model, img, txt, data)
     if adversarial is not None:
-        report["adversarial"] = adversarial_metrics(
-            model, img, txt, data, adversarial, cfg.batch_size, device
-        )
+        with Batches(adversarial, device, **options) as batches:
+            report["adversarial"] = adversarial_metrics(
+                model, img, txt, data, adversarial, cfg.batch_size, device, batches
+            )
     return report
 
 

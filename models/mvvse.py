@@ -80,7 +80,16 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from torch import nn
 
 from features.config import Section
-from models.common import GRUText, hinge_triplet, l2norm, lengths_mask, multiview_sim
+from models.common import (
+    GRUText,
+    float32_scores,
+    full_precision,
+    hinge_triplet,
+    host_lengths,
+    l2norm,
+    lengths_mask,
+    multiview_sim,
+)
 from models.data import DataInfo
 
 PAD_SCORE = -10000.0  # the reference's stand-in for -inf at padded set positions
@@ -148,7 +157,7 @@ class GPO(nn.Module):
         # packed, so the backward direction starts at each set's last element: the weights
         # depend on the set size, not on how much padding the batch has
         packed = nn.utils.rnn.pack_padded_sequence(
-            pe, lengths.cpu().clamp_min(1), batch_first=True, enforce_sorted=False
+            pe, host_lengths(lengths).clamp_min(1), batch_first=True, enforce_sorted=False
         )
         out, _ = self.gru(packed)
         out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=max_len)
@@ -197,6 +206,14 @@ class RegionEncoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------- losses
+
+
+def view_scores(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 for every pair: ``(B, K, D) x (B, D) -> (B, B, K)`` s(v_k, t) of image i,
+    caption c, view k; in float32 under autocast (they enter the hinges)."""
+    with float32_scores(img.device.type):
+        img, txt = full_precision(img, txt)
+        return torch.einsum("ivd,td->itv", img, txt)
 
 
 def _hardest_negatives(star: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +319,7 @@ class MVVSE(nn.Module):
 
     def loss(self, batch: dict) -> dict:
         img, txt = self.encode_image(batch), self.encode_text(batch)  # (B, K, D), (B, D)
-        scores = torch.einsum("ivd,td->itv", img, txt)  # (B, B, K): s(v_k, t), eq. 5
+        scores = view_scores(img, txt)  # (B, B, K): s(v_k, t), eq. 5
         margin, kind = self.cfg.margin, self.cfg.loss
         if kind == "avg":
             return {"loss": mv_avg_triplet(scores, margin)}

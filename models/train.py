@@ -2,9 +2,15 @@
 or ``torchrun`` (DDP), resumable to the exact result of an uninterrupted run.
 
 Per epoch: the training captions in an order seeded by ``(seed, epoch)``, split evenly
-over the ranks; after each epoch rank 0 evaluates on the validation split (rsum), writes
-``last.pt`` (everything needed to resume) and, when rsum improves, ``best.pt`` (the model
-only). A non-finite loss stops training with an error; the last good checkpoint stays.
+over the ranks (or, from WebDataset shards, each rank's stream of them); after each epoch
+rank 0 evaluates on the validation split (rsum), writes ``last.pt`` (everything needed to
+resume) and, when rsum improves, ``best.pt`` (the model only). A non-finite loss stops
+training with an error naming its epoch and step; the last good checkpoint stays.
+
+Batches are built ahead of the step (:class:`models.batches.Batches`: ``train.num_workers``
+processes or a thread, ``train.prefetch`` deep) and the step does not wait for the device:
+loss parts are summed on the device, and the non-finite check (a flag kept on the
+device) is read every ``CHECK_EVERY`` steps and at the end of the epoch.
 
 Checkpoints are plain data: ``{model, config, info, state_dict, ...}`` loaded with
 ``weights_only=True``.
@@ -25,9 +31,10 @@ from torch import nn
 from features.config import Section, UserError
 from features.device import resolve_device
 from models.common import TrainConfig, autocast
-from models.data import DataInfo, to_device
+from models.data import DataInfo
 
 CHECKPOINT_VERSION = 1
+CHECK_EVERY = 50  # steps between reads of the device's non-finite-loss flag
 
 
 class TrainingError(UserError):
@@ -139,6 +146,19 @@ def lr_factor(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
     return factor
 
 
+def epoch_tasks(data, cfg: TrainConfig, epoch: int, rank: int, world: int):
+    """This rank's batches of ``epoch``: a streaming source's own :class:`Stream` (WebDataset
+    shards), else the caption batches of :func:`epoch_batches` as ``("pair", captions)``."""
+    if hasattr(data, "epoch_stream"):
+        return data.epoch_stream(epoch, rank, world)
+    batches = epoch_batches(len(data), cfg.batch_size, cfg.seed, epoch, rank, world)
+    return [("pair", captions) for captions in batches]
+
+
+def _steps(tasks) -> int:
+    return tasks.steps if hasattr(tasks, "steps") else len(tasks)
+
+
 def train(
     name: str,
     model_config: Section,
@@ -152,7 +172,8 @@ def train(
     log: Callable[[str], None] = print,
     prepare_model: Callable[[nn.Module], None] | None = None,
 ) -> dict:
-    """Train ``name`` on ``train_data`` (a ``PairData``), select on ``val_data``.
+    """Train ``name`` on ``train_data`` (a ``PairData`` or ``ShardData``), select on
+    ``val_data`` (a ``PairData``).
 
     ``model_config`` is the model's validated ``models.<name>`` section. Returns the
     trained model and the history: one dict per epoch (loss components, val metrics, lr);
@@ -161,6 +182,7 @@ def train(
     files, plots). ``prepare_model`` may change a fresh model before training (e.g. load
     GloVe vectors); it is not called when resuming.
     """
+    from models.batches import Batches
     from models.evaluate import evaluate_split
 
     out_dir = Path(out_dir)
@@ -175,7 +197,7 @@ def train(
     if prepare_model is not None:
         prepare_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = len(epoch_batches(len(train_data), cfg.batch_size, cfg.seed, 0, rank, world))
+    steps_per_epoch = _steps(epoch_tasks(train_data, cfg, 0, rank, world))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch))
     history: list[dict] = []
     best_rsum, start = -math.inf, 0
@@ -210,89 +232,169 @@ def train(
         wrapped = nn.parallel.DistributedDataParallel(
             wrapped, device_ids=[device.index] if device.type == "cuda" else None
         )
-    for epoch in range(start, cfg.epochs):
-        t0, seen = time.perf_counter(), 0
-        sums: dict[str, float] = {}
-        batches = epoch_batches(len(train_data), cfg.batch_size, cfg.seed, epoch, rank, world)
-        model.train()
-        for step, captions in enumerate(batches):
-            batch = to_device(train_data.pair_batch(captions), device)
+    batches = Batches(train_data, device, num_workers=cfg.num_workers, prefetch=cfg.prefetch)
+    val_batches = Batches(val_data, device, prefetch=cfg.prefetch)  # a thread: small, per epoch
+    try:
+        for epoch in range(start, cfg.epochs):
+            row, seconds, seen = _train_epoch(
+                name,
+                wrapped,
+                model,
+                optimizer,
+                scheduler,
+                batches,
+                cfg,
+                epoch,
+                device,
+                rank,
+                world,
+                last_path,
+                log,
+            )
+            if rank == 0:
+                model.eval()
+                val = evaluate_split(model, val_data, cfg.eval_batch_size, device, val_batches)
+                row.update({f"val_{k}": v for k, v in val.items()})
+                history.append(row)
+                improved = val["rsum"] > best_rsum
+                best_rsum = max(best_rsum, val["rsum"])
+                out_dir.mkdir(parents=True, exist_ok=True)
+                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+                if improved:
+                    _atomic_save({**identity, "state_dict": state, "epoch": epoch}, best_path)
+                rng = {"torch": torch.get_rng_state()}
+                if device.type == "cuda":
+                    rng["cuda"] = torch.cuda.get_rng_state_all()
+                _atomic_save(
+                    {
+                        **identity,
+                        "version": CHECKPOINT_VERSION,
+                        "state_dict": state,
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "rng": rng,
+                        "epoch": epoch,
+                        "history": history,
+                        "best_rsum": best_rsum,
+                    },
+                    last_path,
+                )
+                log(
+                    f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
+                    f"(best {best_rsum:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
+                )
+                if on_epoch is not None:
+                    on_epoch(history)
+            if world > 1:
+                torch.distributed.barrier()
+    finally:
+        batches.close()
+        val_batches.close()
+    return {"history": history, "best_rsum": best_rsum, "model": model}
+
+
+def _train_epoch(
+    name,
+    wrapped,
+    model,
+    optimizer,
+    scheduler,
+    batches,
+    cfg,
+    epoch,
+    device,
+    rank,
+    world,
+    last_path,
+    log,
+) -> tuple[dict, float, int]:
+    """One epoch of optimizer steps; returns the history row (mean loss parts, lr), the
+    seconds it took and the pairs seen (all ranks). No step waits for the device: the
+    loss parts are summed there, and the non-finite flag is read every ``CHECK_EVERY``
+    steps (a non-finite step is reported by its own epoch and step; the steps after it
+    only touch weights that are never saved)."""
+    tasks = epoch_tasks(batches.source, cfg, epoch, rank, world)
+    steps = _steps(tasks)
+    t0, seen, done = time.perf_counter(), 0, 0
+    sums: dict[str, torch.Tensor] = {}
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first
+    bad_loss = torch.zeros((), dtype=torch.float32, device=device)  # and its loss
+    model.train()
+    stream = batches.run(tasks)
+    try:
+        for step, batch in enumerate(stream):
             batch["epoch"] = epoch
             with autocast(device):
                 parts = wrapped(batch)
             loss = parts["loss"]
-            bad = torch.tensor(float(not torch.isfinite(loss.detach())), device=device)
-            if world > 1:
-                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-            if bad.item():
-                kept = f"{last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
-                raise TrainingError(
-                    f"{name}: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
-                    f"Kept the last good checkpoint: {kept}. Lower train.lr or raise "
-                    "train.warmup_steps, then rerun with --resume"
-                )
+            newly = ~torch.isfinite(loss.detach()) & (first_bad < 0)
+            first_bad = torch.where(newly, step, first_bad)
+            bad_loss = torch.where(newly, loss.detach().float(), bad_loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             scheduler.step()
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach())
-            seen += len(captions) * world
-            if rank == 0 and (step + 1) % max(1, len(batches) // 4) == 0:
+            for key, value in parts.items():  # summed on the device, in float64
+                total = sums.get(key)
+                value = value.detach().double()
+                sums[key] = value if total is None else total + value
+            seen += _batch_size(batch) * world
+            done = step + 1
+            if done % CHECK_EVERY == 0 or done == steps:
+                _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+            if rank == 0 and done % max(1, steps // 4) == 0:
                 rate = seen / (time.perf_counter() - t0)
                 log(
-                    f"{name} epoch {epoch} step {step + 1}/{len(batches)} "
+                    f"{name} epoch {epoch} step {done}/{steps} "
                     f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
                 )
-        row = {"epoch": epoch, **{k: v / len(batches) for k, v in sums.items()}}
-        row["lr"] = optimizer.param_groups[0]["lr"]
-        seconds = time.perf_counter() - t0
-        if rank == 0:
-            model.eval()
-            val = evaluate_split(model, val_data, cfg.eval_batch_size, device)
-            row.update({f"val_{k}": v for k, v in val.items()})
-            history.append(row)
-            improved = val["rsum"] > best_rsum
-            best_rsum = max(best_rsum, val["rsum"])
-            out_dir.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            if improved:
-                _atomic_save({**identity, "state_dict": state, "epoch": epoch}, best_path)
-            rng = {"torch": torch.get_rng_state()}
-            if device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            _atomic_save(
-                {
-                    **identity,
-                    "version": CHECKPOINT_VERSION,
-                    "state_dict": state,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng,
-                    "epoch": epoch,
-                    "history": history,
-                    "best_rsum": best_rsum,
-                },
-                last_path,
-            )
-            log(
-                f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
-                f"(best {best_rsum:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
-            )
-            if on_epoch is not None:
-                on_epoch(history)
-        if world > 1:
-            torch.distributed.barrier()
-    return {"history": history, "best_rsum": best_rsum, "model": model}
+    finally:
+        stream.close()
+    if done != steps:
+        raise TrainingError(
+            f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
+            "shards (vse shards build) or train from the stores (train.shards: null)"
+        )
+    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+    row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
+    row["lr"] = optimizer.param_groups[0]["lr"]
+    return row, time.perf_counter() - t0, seen
+
+
+def _batch_size(batch: dict) -> int:
+    for value in batch.values():
+        if torch.is_tensor(value) and value.dim():
+            return int(value.shape[0])
+    return 0
+
+
+def _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path) -> None:
+    """Read the device's flag (all ranks agree under DDP); raise if a loss was not finite."""
+    flag = (first_bad >= 0).to(torch.int64).reshape(1)
+    if world > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return
+    kept = f"{last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
+    where = (
+        f"loss is {bad_loss.item()} at epoch {epoch} step {first_bad.item()}"
+        if first_bad.item() >= 0
+        else f"loss is not finite on another rank at epoch {epoch}"
+    )
+    raise TrainingError(
+        f"{name}: {where}; stopped. Kept the last good checkpoint: {kept}. Lower train.lr "
+        "or raise train.warmup_steps, then rerun with --resume"
+    )
 
 
 def _atomic_save(obj: dict, path: Path) -> None:
     """Write then rename, so a crash never leaves a half-written checkpoint (and a DVC
     hardlinked output is never opened for writing in place)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from features.files import atomic_path
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:
@@ -333,9 +435,10 @@ def train_stage(
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Stage ``train@<name>``: the splits' data from the stores, training with selection on
-    val, checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
-    from models.data import PairData
+    """Stage ``train@<name>``: the splits' data from the stores (or the train split streamed
+    from ``train.shards``, checked against them), training with selection on val,
+    checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
+    from models.data import PairData, ShardData
     from models.registry import model_inputs
 
     inputs = model_inputs(name, model_config)
@@ -346,6 +449,10 @@ def train_stage(
         f"train {name}: {len(train_data)} train captions ({train_data.n_images} images), "
         f"{len(val_data)} val captions; inputs {', '.join(sorted(inputs))}"
     )
+    source = train_data
+    if cfg.shards:  # the same samples, streamed from shards built from these stores
+        source = ShardData(cfg.shards, train_data, cfg)
+        log(f"train {name}: streaming {len(source.shards)} train shards from {cfg.shards}")
 
     def prepare(model):  # a model's own set-up from the data, e.g. UniVSE's GloVe vectors
         if hasattr(model, "prepare"):
@@ -355,7 +462,7 @@ def train_stage(
         name,
         model_config,
         cfg,
-        train_data,
+        source,
         val_data,
         out_dir,
         resume=resume,

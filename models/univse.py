@@ -59,7 +59,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from torch import nn
 
 from features.config import Section
-from models.common import cosine_sim, l2norm
+from models.common import cosine_sim, float32_scores, full_precision, l2norm
 from models.data import DataInfo
 
 NEGATIVE_KINDS = ("nouns", "adjectives", "relations")
@@ -128,7 +128,12 @@ def ranking_loss(
     """Eq. 1: bidirectional hinge with the hardest negative (F = max) of each direction,
     summed over the positive pairs. ``img, txt (B, d)`` normalised, row b a positive pair;
     ``valid (B,)`` drops pairs (a caption with no components) both as positives and as
-    negatives, which equals eq. 1 on the valid subset."""
+    negatives, which equals eq. 1 on the valid subset. Scores in float32 (autocast off)."""
+    with float32_scores(img.device.type):
+        return _ranking_loss(*full_precision(img, txt), margin, valid)
+
+
+def _ranking_loss(img, txt, margin, valid):
     n = img.size(0)
     scores = img @ txt.t()  # (B, B): s(u_c, v_i) at [i, c]
     diagonal = scores.diag()
@@ -147,11 +152,14 @@ def region_alignment(
 ) -> torch.Tensor:
     """Eq. 2-3: ``sum_i M_i [delta + s(u^-, V_i) - s(u^+, V_i)]_+`` with the relevance map
     ``M = softmax_i s(u^+, V_i)``. ``regions (B, G, d)``, ``pos / neg (B, N, d)`` all
-    normalised -> ``(B, N)``, one value per (positive, negative) descriptor."""
-    s_pos = torch.einsum("bnd,bgd->bng", pos, regions)  # (B, N, G)
-    s_neg = torch.einsum("bnd,bgd->bng", neg, regions)  # (B, N, G)
-    relevance = s_pos.softmax(dim=-1)  # M, eq. 2
-    return (relevance * (margin + s_neg - s_pos).clamp(min=0)).sum(-1)  # eq. 3
+    normalised -> ``(B, N)``, one value per (positive, negative) descriptor; the scores
+    (softmax and hinge) in float32."""
+    with float32_scores(regions.device.type):
+        regions, pos, neg = full_precision(regions, pos, neg)
+        s_pos = torch.einsum("bnd,bgd->bng", pos, regions)  # (B, N, G)
+        s_neg = torch.einsum("bnd,bgd->bng", neg, regions)  # (B, N, G)
+        relevance = s_pos.softmax(dim=-1)  # M, eq. 2
+        return (relevance * (margin + s_neg - s_pos).clamp(min=0)).sum(-1)  # eq. 3
 
 
 def relation_loss(
@@ -166,7 +174,13 @@ def relation_loss(
     of ``pos (B, R, d)`` faces its image ``img[b] (B, d)``; its hardest negative is the max
     of its sampled triple ``neg[b, r]`` (where ``neg_valid``) and every relation of the
     batch's other captions ("triples of captions which describe other images", sec. 3.4).
-    Summed over the valid relations of ``mask (B, R)``."""
+    Summed over the valid relations of ``mask (B, R)``; scores in float32."""
+    with float32_scores(img.device.type):
+        img, pos, neg = full_precision(img, pos, neg)
+        return _relation_loss(img, pos, neg, mask, neg_valid, margin)
+
+
+def _relation_loss(img, pos, neg, mask, neg_valid, margin):
     b, r = mask.shape
     s_pos = torch.einsum("brd,bd->br", pos, img)  # (B, R)
     s_neg = torch.einsum("brd,bd->br", neg, img).masked_fill(~neg_valid, float("-inf"))

@@ -5,7 +5,7 @@
   paper's fixed-feature setting), then L2 normalisation.
 - Caption: g(c) = W_g^T mu(c) (eq. 2), mu a GRU over word embeddings, the final hidden
   state (W_g is folded into the GRU's output size as in the reference code), normalised.
-- Score: s(i, c) = f(i) . g(c) (eq. 3).
+- Score: s(i, c) = f(i) . g(c) (eq. 3), in float32 under autocast.
 - Loss: the hinge triplet loss summed over the batch, SH (eq. 5) or MH (eq. 6, default),
   margin alpha = 0.2.
 
@@ -42,7 +42,7 @@ from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
 from features.config import Section
-from models.common import GRUText, hinge_triplet, l2norm
+from models.common import GRUText, dot_sim, hinge_triplet, l2norm
 from models.data import DataInfo
 
 
@@ -79,8 +79,9 @@ class VSEPP(nn.Module):
         return l2norm(self.text(batch["words"], batch["word_lengths"]))  # (B, D)
 
     def similarity(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-        """s(i, c) = f(i) . g(c) (eq. 3): both are L2-normalised by ``encode_*``."""
-        return img @ txt.t()  # (n_img, n_txt)
+        """s(i, c) = f(i) . g(c) (eq. 3): both are L2-normalised by ``encode_*``; in
+        float32 under autocast (the hinge compares scores with the margin)."""
+        return dot_sim(img, txt)  # (n_img, n_txt)
 
     def loss(self, batch: dict) -> dict:
         scores = self.similarity(self.encode_image(batch), self.encode_text(batch))

@@ -30,6 +30,16 @@ def _graph_row(gold: dict) -> dict:
     }
 
 
+def pad_stack(values: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arrays of different lengths along axis 0 -> ``(B, L_max, ...)`` zero-padded + lengths."""
+    lengths = np.array([len(v) for v in values], dtype=np.int64)
+    padded = np.zeros((len(values), max(int(lengths.max(initial=0)), 1), *values[0].shape[1:]))
+    padded = padded.astype(values[0].dtype)
+    for i, v in enumerate(values):
+        padded[i, : len(v)] = v
+    return torch.from_numpy(padded), torch.from_numpy(lengths)
+
+
 class TinyPairs:
     def __init__(self, n_images: int = 32, captions_per_image: int = 1, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -97,8 +107,6 @@ class TinyPairs:
         }
 
     def text_batch(self, captions) -> dict:
-        from features.loader import pad_stack
-
         captions = np.asarray(captions)
         texts = [self.captions[c] for c in captions]
         ids = [word_ids(t, self.word_index).astype(np.int64) for t in texts]

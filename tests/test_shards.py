@@ -1,87 +1,78 @@
-"""WebDataset shards: packing from manifest + stores, sizes.json, streaming loader."""
+"""WebDataset shards: packed from the manifest and the stores, standard tars, checked
+against their sources, streamed as training pairs (shuffled, split over ranks and
+workers, from a folder or S3) with the batch contract of the stores."""
 
 import hashlib
+import json
+import tarfile
 
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader
+import torch
+from store_data import make_stores
 
-from features.demo import DemoConfig, build_dataset
-from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.shards import build_shards, read_sizes, stream
-from features.store import (
-    FieldSpec,
-    Provenance,
-    Store,
-    StoreConfig,
-    StoreError,
-    StoreWriter,
-    ragged_fields,
-)
+from features.ingest import read_manifest
+from features.shards import ShardsConfig, build_shards, read_groups, read_sizes
+from features.store import FieldSpec, Provenance, Store, StoreError, StoreWriter
+from models.batches import Batches
+from models.common import TrainConfig
+from models.data import PairData, ShardData
+from models.mvvse import MVVSEConfig
+from models.train import train
+
+INPUTS = frozenset({"regions", "words", "tokens", "labels"})
+LAYOUT = ShardsConfig(samples_per_shard=8, images_per_group=3)
+CFG = TrainConfig(batch_size=4, shuffle_buffer=10, epochs=2, device="cpu", prefetch=1)
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-    """A 40/6/6 demo manifest, a global store and a ragged store, packed in shards of 7."""
     root = tmp_path_factory.mktemp("shards")
-    build_dataset(DemoConfig(n_train=40, n_val=6, n_test=6), root / "demo")
-    cfg = PrepareConfig()
-    dataset = READERS["demo"](root / "demo/dataset.json", root / "demo/images", cfg)
-    records, _ = validate(dataset, root / "demo/images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    manifest = read_manifest(root / "manifest.parquet")
-    keys = manifest.table["key"].to_pylist()
-    provenance = Provenance("test", "1", {}, None, manifest.digest)
-    layout = StoreConfig(samples_per_shard=16, samples_per_chunk=8)
-    with StoreWriter(
-        root / "g.zarr",
-        "global",
-        {"features": FieldSpec((4,), "float32")},
-        keys,
-        provenance,
-        layout,
-    ) as w:
-        for shard in w.pending_shards():
-            start, stop = w.shard_range(shard)
-            w.write_shard(shard, {"features": np.arange(start, stop)[:, None] * np.ones(4)})
-    with StoreWriter(root / "t.zarr", "tokens", ragged_fields(3), keys, provenance, layout) as w:
-        for shard in w.pending_shards():
-            start, stop = w.shard_range(shard)
-            w.write_shard(
-                shard, {"features": [np.full((i % 3 + 1, 3), i) for i in range(start, stop)]}
-            )
-    stores = {"global": Store.open(root / "g.zarr"), "tokens": Store.open(root / "t.zarr")}
-    sizes = build_shards(manifest, stores, root / "out", samples_per_shard=7)
-    return root, manifest, sizes
+    paths = make_stores(root)
+    manifest = read_manifest(paths.manifest)
+    stores = {"regions": Store.open(paths.regions), "grid": Store.open(paths.grid)}
+    sizes = build_shards(manifest, stores, root / "out", LAYOUT, text=Store.open(paths.text))
+    return root, paths, manifest, sizes
 
 
-def test_sizes_and_sample_contents(packed):
-    root, manifest, sizes = packed
+def test_sizes_record_sources_and_counts(packed):
+    root, paths, manifest, sizes = packed
     assert sizes == read_sizes(root / "out")
-    assert sum(v for k, v in sizes.items() if k.startswith("train-")) == 40
-    assert sizes["train-000005.tar"] == 5 and sizes["val-000000.tar"] == 6
-    batches = list(stream(root / "out", "val", 4, shuffle_buffer=1))
-    batch = batches[0]
-    rows = {r["key"]: r for r in manifest.table.to_pylist()}
-    key = batch["key"][0]
-    index = list(rows).index(key)
-    assert batch["captions"][0] == rows[key]["captions"]
-    assert int(batch["label"][0]) == rows[key]["label"]
-    assert batch["global.features"][0].tolist() == [float(index)] * 4
-    n_boxes = int(batch["gt_boxes_lengths"][0])
-    np.testing.assert_allclose(batch["gt_boxes"][0, :n_boxes].numpy(), rows[key]["boxes"])
-    assert batch["tokens.features"].shape[-1] == 3 and "tokens.features_lengths" in batch
-    assert sorted(k for b in batches for k in b["key"]) == sorted(
-        r["key"] for r in manifest.split("val").to_pylist()
-    )
+    assert sizes["manifest_digest"] == manifest.digest
+    assert sizes["stores"]["regions"]["fingerprint"] == Store.open(paths.regions).fingerprint
+    train = {k: v for k, v in sizes["shards"].items() if v["split"] == "train"}
+    assert sum(v["images"] for v in train.values()) == 30 and len(train) == 4
+    assert train["train-000003.tar"] == {"split": "train", "images": 6, "captions": 13, "groups": 2}
+
+
+def test_shards_are_standard_tars_that_webdataset_reads(packed):
+    """Any WebDataset reader opens them; members are plain .npy / .json."""
+    import webdataset as wds
+
+    root, paths, manifest, _ = packed
+    url = str(root / "out" / "val-000000.tar")
+    samples = list(wds.WebDataset(url, shardshuffle=False))
+    assert [s["__key__"] for s in samples] == ["val-000000000", "val-000000003"]
+    first = samples[0]
+    meta = json.loads(first["meta.json"])
+    regions = Store.open(paths.regions)
+    rows = [regions.index(k) for k in meta["keys"]]
+    features = np.load(__import__("io").BytesIO(first["regions.features.npy"]))
+    np.testing.assert_array_equal(features, regions.gather("features", rows))
+    with tarfile.open(url) as tar:  # and plain tar tools
+        assert "val-000000000.text.word_ids_offsets.npy" in tar.getnames()
+    # our reader gives the same groups, as views of the mapped file
+    groups = list(read_groups(url))
+    assert [g.meta["keys"] for g in groups] == [json.loads(s["meta.json"])["keys"] for s in samples]
+    np.testing.assert_array_equal(groups[0].arrays["regions.features"], features)
 
 
 def test_rebuild_is_bitwise_identical(packed, tmp_path):
-    root, manifest, _ = packed
-    stores = {"global": Store.open(root / "g.zarr")}
+    root, paths, manifest, _ = packed
+    stores = {"regions": Store.open(paths.regions)}
     digests = []
     for run in ("a", "b"):
-        build_shards(manifest, stores, tmp_path / run, samples_per_shard=7)
+        build_shards(manifest, stores, tmp_path / run, LAYOUT)
         digests.append(
             {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / run).iterdir()}
         )
@@ -89,7 +80,7 @@ def test_rebuild_is_bitwise_identical(packed, tmp_path):
 
 
 def test_refuses_stores_of_another_manifest(packed, tmp_path):
-    root, manifest, _ = packed
+    root, paths, manifest, _ = packed
     keys = manifest.table["key"].to_pylist()
     other = Provenance("test", "1", {}, None, "0" * 64)
     with StoreWriter(
@@ -100,82 +91,195 @@ def test_refuses_stores_of_another_manifest(packed, tmp_path):
         build_shards(manifest, {"o": Store.open(tmp_path / "o.zarr")}, tmp_path / "s")
 
 
-def keys_of(pipeline):
-    return [k for batch in pipeline for k in batch["key"]]
+def test_training_refuses_shards_of_other_stores(packed):
+    root, paths, _, _ = packed
+    data = PairData(paths, "train", frozenset({"image", "words"}))  # the global store: not packed
+    with pytest.raises(StoreError, match="no packed store has the fingerprint .*global.zarr"):
+        ShardData(str(root / "out"), data, CFG)
+    (root / "old").mkdir()
+    (root / "old" / "sizes.json").write_text(json.dumps({"train-000000.tar": 3}))
+    with pytest.raises(StoreError, match="format 1, this code reads format 2; rebuild"):
+        ShardData(str(root / "old"), data, CFG)
 
 
-def test_epoch_covers_train_once_and_shuffles(packed):
-    root, manifest, _ = packed
-    first = keys_of(stream(root / "out", "train", 8, shuffle_buffer=20, seed=1))
-    assert sorted(first) == sorted(r["key"] for r in manifest.split("train").to_pylist())
-    assert first != sorted(first)
+def epoch(source, cfg, epoch_index, rank=0, world=1, workers=0):
+    """The batches of one epoch, as the training loop gets them."""
+    with Batches(source, "cpu", num_workers=workers, prefetch=1) as batches:
+        stream = source.epoch_stream(epoch_index, rank, world)
+        return [{k: v.clone() for k, v in b.items()} for b in batches.run(stream)]
 
 
-def test_split_by_node_and_worker(packed, monkeypatch):
-    root, _, _ = packed
-    per_rank = []
-    for rank in range(2):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        loader = DataLoader(
-            stream(root / "out", "train", 4),
-            batch_size=None,
-            num_workers=2,
-            multiprocessing_context="spawn",
-        )  # see test_loader
-        per_rank.append(keys_of(loader))
-    assert not set(per_rank[0]) & set(per_rank[1])
-    assert len(per_rank[0]) + len(per_rank[1]) == 40
+def identify(data, batch):
+    """Each row's caption position in the split, found by its image and word ids."""
+    found = []
+    for b, image in enumerate(batch["caption_image"].tolist()):
+        words = batch["words"][b, : batch["word_lengths"][b]]
+        candidates = np.flatnonzero(data.caption_image == image)
+        raw = data.build("text", candidates)
+        match = [
+            c
+            for c, w, n in zip(candidates, raw["words"], raw["word_lengths"], strict=True)
+            if torch.equal(torch.from_numpy(w[:n]), words)
+        ]
+        found.append(int(match[0]))
+    return found
 
 
-def test_resampled_gives_fixed_epochs(packed):
-    root, _, _ = packed
-    pipeline = stream(root / "out", "train", 4, resampled=True, batches_per_epoch=25)
-    batches = list(pipeline)
-    assert len(batches) == 25 and all(len(b["key"]) == 4 for b in batches)
+def test_an_epoch_streams_each_caption_at_most_once_with_the_stores_values(packed):
+    root, paths, _, _ = packed
+    data = PairData(paths, "train", INPUTS)
+    source = ShardData(str(root / "out"), data, CFG)
+    batches = epoch(source, CFG, 0)
+    assert len(batches) == source.steps(1) == len(data) // 4  # one stream: one partial batch
+    seen = [c for b in batches for c in identify(data, b)]
+    assert len(seen) == len(set(seen)) >= len(data) - 2 * 4
+    assert seen != sorted(seen)
+    # every value equals the store path's batch of the same captions
+    for batch in batches[:3]:
+        want = data.pair_batch(np.array(identify(data, batch)))
+        assert batch.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(batch[key], value), key
+    again = epoch(source, CFG, 0)
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(batches, again, strict=True))
+    other = epoch(source, CFG, 1)
+    assert [identify(data, b) for b in other] != [identify(data, b) for b in batches]
 
 
-def test_token_ids_and_scene_graphs_per_caption(packed, tmp_path):
-    root, manifest, _ = packed
-    caption_keys = [
-        f"{r['key']}#{j}" for r in manifest.table.to_pylist() for j in range(len(r["captions"]))
+def test_ranks_and_workers_take_disjoint_equal_streams(packed):
+    root, paths, _, _ = packed
+    data = PairData(paths, "train", INPUTS)
+    cfg = CFG.model_copy(update={"num_workers": 2})
+    source = ShardData(str(root / "out"), data, cfg)
+    per_rank = [epoch(source, cfg, 3, rank, 2, workers=2) for rank in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == source.steps(2) > 0
+    seen = [[c for b in r for c in identify(data, b)] for r in per_rank]
+    assert not set(seen[0]) & set(seen[1])
+    again = epoch(source, cfg, 3, 1, 2, workers=2)
+    assert [identify(data, b) for b in again] == [identify(data, b) for b in per_rank[1]]
+
+
+def test_training_from_shards_resumes_exactly(packed, tmp_path):
+    root, paths, _, _ = packed
+    inputs = frozenset({"regions", "words"})
+    model_cfg = MVVSEConfig(embed_size=16, word_dim=8, gpo_hidden=8, gpo_pe_dim=8)
+    cfg = CFG.model_copy(update={"epochs": 2, "standardize": True})
+
+    def run(out, epochs, resume=False):
+        data = PairData(paths, "train", inputs)
+        source = ShardData(str(root / "out"), data, cfg)
+        val = PairData(paths, "val", inputs)
+        run_cfg = cfg.model_copy(update={"epochs": epochs})
+        return train("mvvse", model_cfg, run_cfg, source, val, out, resume=resume, log=print)
+
+    full = run(tmp_path / "full", 2)
+    run(tmp_path / "split", 1)
+    resumed = run(tmp_path / "split", 2, resume=True)
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in full["history"]]
+    a = torch.load(tmp_path / "full" / "last.pt", weights_only=True)["state_dict"]
+    b = torch.load(tmp_path / "split" / "last.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+moto_server = pytest.importorskip("moto.server")
+
+
+def test_streams_from_s3(packed):
+    """Shards built straight to a local S3 endpoint (moto) stream the same batches."""
+    import socket
+
+    import boto3
+
+    root, paths, manifest, _ = packed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        options = {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "test",
+            "secret": "test",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=options["endpoint_url"],
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="shards")
+        stores = {"regions": Store.open(paths.regions), "grid": Store.open(paths.grid)}
+        build_shards(
+            manifest,
+            stores,
+            "s3://shards/demo",
+            LAYOUT,
+            text=Store.open(paths.text),
+            storage_options=options,
+        )
+        data = PairData(paths, "train", INPUTS)
+        remote = ShardData("s3://shards/demo", data, CFG, storage_options=options)
+        local = ShardData(str(root / "out"), data, CFG)
+        for a, b in zip(epoch(remote, CFG, 0), epoch(local, CFG, 0), strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        server.stop()
+
+
+def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
+    """UniVSE's inputs (grid, words, scene graphs) from shards equal the store path's;
+    shards without the graphs in use are refused."""
+    from dataclasses import replace
+
+    from features.scenegraph_files import GRAPHS, write_scene_graphs
+    from features.shards import file_digest, read_scene_graphs
+
+    root, paths, manifest, _ = packed
+    keys, texts, _ = manifest.caption_rows()
+    rows = [
+        {
+            "key": k,
+            "caption": t,
+            "objects": [{"span": f"w{i % 20}", "head": "x", "lemma": "x"}],
+            "attributes": [{"object": 0, "attribute": f"w{i % 7}", "lemma": "y"}] * (i % 2),
+            "relations": [],
+        }
+        for i, (k, t) in enumerate(zip(keys, texts, strict=True))
     ]
-    fields = {
-        "word_ids": FieldSpec((), "int32", ragged=True),
-        "wordpiece_ids": FieldSpec((), "int32", ragged=True),
-    }
-    provenance = Provenance("test", "1", {}, None, manifest.digest)
-    with StoreWriter(
-        tmp_path / "text.zarr",
-        "text",
-        fields,
-        caption_keys,
-        provenance,
-        StoreConfig(samples_per_shard=64, samples_per_chunk=16),
-    ) as w:
-        for shard in w.pending_shards():
-            lo, hi = w.shard_range(shard)
-            w.write_shard(
-                shard,
-                {
-                    "word_ids": [np.arange(i % 4 + 1) + i for i in range(lo, hi)],
-                    "wordpiece_ids": [np.array([101, i, 102]) for i in range(lo, hi)],
-                },
-            )
-    graphs = {
-        k: {"objects": [{"lemma": k}], "attributes": [], "relations": []} for k in caption_keys
-    }
+    write_scene_graphs(tmp_path / "graphs", rows, {"nouns": {"w1": 2}})
+    paths = replace(paths, scenegraphs=tmp_path / "graphs")
+    inputs = frozenset({"grid", "words", "scene_graph"})
+    data = PairData(paths, "train", inputs)
+    with pytest.raises(StoreError, match="the shards hold no scene graphs"):
+        ShardData(str(root / "out"), data, CFG)
+    stores = {"grid": Store.open(paths.grid)}
     build_shards(
         manifest,
-        {},
+        stores,
         tmp_path / "s",
-        samples_per_shard=7,
-        text=Store.open(tmp_path / "text.zarr"),
-        scene_graphs=graphs,
+        LAYOUT,
+        text=Store.open(paths.text),
+        scene_graphs=read_scene_graphs(tmp_path / "graphs"),
+        scene_graphs_digest=file_digest(tmp_path / "graphs" / GRAPHS),
     )
-    batch = next(iter(stream(tmp_path / "s", "test", 6, shuffle_buffer=1)))
-    key = batch["key"][0]
-    first = caption_keys.index(f"{key}#0")
-    assert batch["wordpiece_ids"][0][2] == [101, first + 2, 102]
-    assert batch["word_ids"][0][0] == (np.arange(first % 4 + 1) + first).tolist()
-    assert batch["scene_graphs"][0][4]["objects"][0]["lemma"] == f"{key}#4"
+    source = ShardData(str(tmp_path / "s"), data, CFG)
+    for batch in epoch(source, CFG, 0)[:3]:
+        want = data.pair_batch(np.array(identify(data, batch)))
+        assert batch.keys() == want.keys() and "object_mask" in batch
+        for key, value in want.items():
+            assert torch.equal(batch[key], value), key
+
+
+def test_the_command_builds_shards_that_training_reads(packed, tmp_path, capsys):
+    from flows.cli import main
+
+    root, paths, _, _ = packed
+    args = ["shards", "build", "--manifest", str(paths.manifest), "--out", str(tmp_path / "s")]
+    assert main([*args, "--store", f"regions={paths.regions}", "--text", str(paths.text)]) == 0
+    assert "41 images in 3 shards (regions, text)" in capsys.readouterr().out
+    data = PairData(paths, "train", frozenset({"regions", "words"}))
+    assert ShardData(str(tmp_path / "s"), data, CFG).shards == ["train-000000.tar"]
+    assert main([*args, "--store", f"text={paths.regions}"]) == 1
+    assert "'text' names the caption-level store; use --text" in capsys.readouterr().err

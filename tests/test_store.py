@@ -82,7 +82,16 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, kind):
     kills = 0
     for attempt in range(6):  # kill after a random number of commits, at a random moment
         proc = subprocess.Popen(
-            [sys.executable, str(JOB), str(target), kind, "120", "8", str(0.003 * (attempt % 2))],
+            # a pause after each commit (the writer takes ~1 ms a shard): killed in time
+            [
+                sys.executable,
+                str(JOB),
+                str(target),
+                kind,
+                "120",
+                "8",
+                str(0.003 * (1 + attempt % 2)),
+            ],
             env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
             stdout=subprocess.PIPE,
             text=True,
@@ -124,13 +133,13 @@ def test_second_writer_gets_a_lock_error(tmp_path):
 def test_verify_names_corrupt_and_missing_shards(tmp_path):
     job.run(tmp_path / "s.zarr", "regions", 40, 8)
     root = tmp_path / "s.zarr"
-    shard = root / "features/c/2/0/0"
+    shard = root / "features/c.2.0.0"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (root / "boxes/c/4/0/0").unlink()
+    (root / "boxes/c.4.0.0").unlink()
     problems = Store.open(root).verify()
-    assert problems == ["boxes/c/4/0/0: missing", "features/c/2/0/0: corrupt (checksum mismatch)"]
+    assert problems == ["boxes/c.4.0.0: missing", "features/c.2.0.0: corrupt (checksum mismatch)"]
 
 
 def test_fingerprint_and_manifest_checks(tmp_path):
@@ -217,9 +226,9 @@ def test_cli_ls_info_verify(tmp_path, capsys):
     assert "manifest_digest: " + "m" * 64 in capsys.readouterr().out
     assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 0
     assert "is intact" in capsys.readouterr().out
-    (tmp_path / "feats" / "regions.zarr" / "boxes/c/1/0/0").write_bytes(b"x")
+    (tmp_path / "feats" / "regions.zarr" / "boxes/c.1.0.0").write_bytes(b"x")
     assert main(["store", "verify", str(tmp_path / "feats" / "regions.zarr")]) == 1
-    assert "boxes/c/1/0/0: corrupt" in capsys.readouterr().out
+    assert "boxes/c.1.0.0: corrupt" in capsys.readouterr().out
 
 
 def test_memory_mapped_reads_equal_zarr_reads(tmp_path):
@@ -342,10 +351,10 @@ def test_verify_names_a_damaged_commit_marker_of_an_incomplete_store(tmp_path):
         w.write_shard(0, job.shard_data("regions", 0, 8))
     root = incomplete_path(target)
     assert verify_store(root) == ["shard 1: not committed (store incomplete)"]
-    marker = root / "_commits/c/0"
+    marker = root / "_commits/c.0"
     marker.write_bytes(marker.read_bytes()[:-3])
     problems = verify_store(root)
-    assert any(p.startswith("_commits/c/0:") for p in problems), problems
+    assert any(p.startswith("_commits/c.0:") for p in problems), problems
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
@@ -384,3 +393,131 @@ def test_kill_at_any_write_resumes_or_restarts_to_the_same_store(tmp_path):
         assert files_of(target) == clean, k
         assert not incomplete_path(target).exists()
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".k{k}.")] == []
+
+
+def _naive(store, name, indices):
+    """One sample at a time, through Zarr: what the vectorised gathers must equal."""
+    group = zarr.open_group(store.url, mode="r")
+    if not store.fields[name].ragged:
+        return [group[name][i] for i in indices]
+    starts = list(group[f"{name}_offsets"][:]) + [group[name].shape[0]]
+    return [group[name][starts[i] : starts[i + 1]] for i in indices]
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_vectorised_gathers_equal_one_sample_at_a_time(tmp_path, monkeypatch, in_memory):
+    """Dense and ragged fields at arbitrary indices (repeats, across shard files, empty
+    samples), from memory or from the mapped shard files, and after pickling (workers)."""
+    import pickle
+
+    import features.store as store_module
+
+    if not in_memory:  # every array from its shard files
+        monkeypatch.setattr(store_module, "IN_MEMORY_BYTES", 0)
+    job.run(tmp_path / "r.zarr", "regions", 37, 8)
+    job.run(tmp_path / "t.zarr", "tokens", 37, 8)  # 0..8 rows per sample: some empty
+    indices = [36, 0, 17, 17, 8, 35, 3, 24]
+    regions = Store.open(tmp_path / "r.zarr")
+    for name in ("features", "boxes", "n_regions", "image_hw"):
+        got = regions.gather(name, indices)
+        assert got.dtype == np.dtype(regions.fields[name].dtype)
+        np.testing.assert_array_equal(got, np.stack(_naive(regions, name, indices)))
+    tokens = pickle.loads(pickle.dumps(Store.open(tmp_path / "t.zarr")))
+    expected = _naive(tokens, "features", indices)
+    assert any(len(e) == 0 for e in _naive(tokens, "features", range(37)))
+    padded, lengths = tokens.gather_ragged("features", indices)
+    assert lengths.tolist() == [len(e) for e in expected]
+    assert padded.shape == (len(indices), max(lengths), 16) and padded.dtype == np.float16
+    for row, length, want in zip(padded, lengths, expected, strict=True):
+        np.testing.assert_array_equal(row[:length], want)
+        assert not row[length:].any()  # zero padding
+    empty = [i for i in range(37) if len(_naive(tokens, "features", [i])[0]) == 0]
+    padded, lengths = tokens.gather_ragged("features", empty[:2])
+    assert padded.shape == (len(empty[:2]), 1, 16) and not padded.any() and not lengths.any()
+    listed = tokens.read_indices(indices)["features"]
+    for got, want in zip(listed, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # into a caller's buffer (a batch arena)
+    buffer = np.full(len(indices) * 6 * 16, 7, np.float16)
+    got = regions.gather("features", indices, alloc=lambda s, d: buffer[: np.prod(s)].reshape(s))
+    assert np.shares_memory(got, buffer)
+
+
+def test_gathers_refuse_bad_indices_and_read_compressed_stores(tmp_path):
+    job.run(tmp_path / "r.zarr", "regions", 20, 8)
+    store = Store.open(tmp_path / "r.zarr")
+    with pytest.raises(IndexError, match="index 20 out of range"):
+        store.gather("features", [3, 20])
+    with pytest.raises(StoreError, match="'features' is dense; use gather"):
+        store.gather_ragged("features", [1])
+    keys = [f"k{i}" for i in range(20)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4, compression="zstd")
+    data = np.random.default_rng(0).standard_normal((20, 3, 5)).astype(np.float16)
+    fields = {"f": job.regions_fields(3, 5)["features"], **ragged_fields(2, "r")}
+    with StoreWriter(tmp_path / "z.zarr", "x", fields, keys, job.PROVENANCE, cfg) as w:
+        for shard in w.pending_shards():
+            start, stop = w.shard_range(shard)
+            rows = [np.full((i % 3, 2), i) for i in range(start, stop)]
+            w.write_shard(shard, {"f": data[start:stop], "r": rows})
+    store = Store.open(tmp_path / "z.zarr")
+    assert not store._mappable
+    np.testing.assert_array_equal(store.gather("f", [19, 2, 9, 2]), data[[19, 2, 9, 2]])
+    padded, lengths = store.gather_ragged("r", [5, 3, 19])
+    assert lengths.tolist() == [2, 0, 1] and padded[0, :2].tolist() == [[5, 5], [5, 5]]
+
+
+def test_uncompressed_shard_files_are_the_bytes_zarr_writes(tmp_path):
+    """The writer lays out dense shard files and commit markers itself (no Zarr encoding
+    on the write path); they must be what Zarr writes, partial last chunk and shard
+    included."""
+    import shutil
+
+    job.run(tmp_path / "s.zarr", "regions", 37, 8)  # shards of 8, chunks of 4; 37 samples
+    ours = files_of(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "z.zarr")
+    group = zarr.open_group(tmp_path / "z.zarr", mode="r+")
+    for shard in range(5):
+        start, stop = shard * 8, min(shard * 8 + 8, 37)
+        data = job.shard_data("regions", start, stop)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            for name, spec in job.regions_fields(6, 16).items():
+                group[name][start:stop] = np.asarray(data[name], dtype=spec.dtype)
+        group["_commits"][shard] = Store.open(tmp_path / "s.zarr").group["_commits"][shard]
+    theirs = files_of(tmp_path / "z.zarr")
+    assert all(ours[f"_commits/c.{k}"] == theirs[f"_commits/c.{k}"] for k in range(5))
+    fields = job.regions_fields(6, 16)
+    shards = [k for k in ours if "/c." in k and k.split("/")[0] in fields]
+    assert len(shards) == 20
+    for rel in shards:
+        assert ours[rel] == theirs[rel], rel
+    assert Store.open(tmp_path / "s.zarr").verify() == []
+
+
+def test_ragged_shard_files_are_the_bytes_zarr_writes(tmp_path):
+    """Ragged rows are appended shard by shard, into row shard files that each write
+    rewrites (the rows so far, then the new ones): the bytes Zarr writes."""
+    import shutil
+
+    job.run(tmp_path / "s.zarr", "tokens", 37, 8)
+    ours = files_of(tmp_path / "s.zarr")
+    shutil.copytree(tmp_path / "s.zarr", tmp_path / "z.zarr")
+    group = zarr.open_group(tmp_path / "z.zarr", mode="r+")
+    values, offsets = group["features"], group["features_offsets"]
+    values.resize((0, 16))
+    for shard in range(5):
+        start, stop = shard * 8, min(shard * 8 + 8, 37)
+        rows = [
+            np.asarray(r, np.float16) for r in job.shard_data("tokens", start, stop)["features"]
+        ]
+        first = values.shape[0]
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            offsets[start:stop] = first + np.cumsum([0] + [len(r) for r in rows[:-1]])
+            if sum(len(r) for r in rows):
+                values.resize((first + sum(len(r) for r in rows), 16))
+                values[first:] = np.concatenate(rows)
+    theirs = files_of(tmp_path / "z.zarr")
+    data_files = [k for k in ours if k.startswith(("features/c.", "features_offsets/c."))]
+    assert len(data_files) > 5
+    for rel in data_files:
+        assert ours[rel] == theirs[rel], rel
+    assert Store.open(tmp_path / "s.zarr").verify() == []

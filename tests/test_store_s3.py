@@ -60,15 +60,15 @@ def test_open_read_and_verify_from_s3(s3):
 def test_verify_names_a_corrupt_shard_on_s3(s3, capsys):
     fs, options, local = s3
     fs.put(str(local), "stores/broken.zarr", recursive=True)
-    fs.pipe("stores/broken.zarr/features/c/1/0/0", b"garbage")
+    fs.pipe("stores/broken.zarr/features/c.1.0.0", b"garbage")
     url = "s3://stores/broken.zarr"
     assert Store.open(url, storage_options=options).verify() == [
-        "features/c/1/0/0: corrupt (checksum mismatch)"
+        "features/c.1.0.0: corrupt (checksum mismatch)"
     ]
     import json
 
     assert main(["store", "verify", url, "--storage-options", json.dumps(options)]) == 1
-    assert "features/c/1/0/0: corrupt" in capsys.readouterr().out
+    assert "features/c.1.0.0: corrupt" in capsys.readouterr().out
     assert main(["store", "info", url, "--json", "--storage-options", json.dumps(options)]) == 0
     assert '"kind": "regions"' in capsys.readouterr().out
 
@@ -79,12 +79,12 @@ def test_verify_names_damaged_metadata_keys_and_markers_on_s3(s3, capsys):
     fs, options, local = s3
     url = "s3://stores/meta.zarr"
     fs.put(str(local), "stores/meta.zarr", recursive=True)
-    for rel in ("zarr.json", "keys/c/0", "_commits/c/1", "boxes/zarr.json"):
+    for rel in ("zarr.json", "keys/c.0", "_commits/c.1", "boxes/zarr.json"):
         data = fs.cat_file(f"stores/meta.zarr/{rel}")
         fs.pipe(f"stores/meta.zarr/{rel}", data[: len(data) // 2])
     assert main(["store", "verify", url, "--storage-options", json.dumps(options)]) == 1
     out, err = capsys.readouterr()
-    for rel in ("zarr.json", "keys/c/0", "_commits/c/1", "boxes/zarr.json"):
+    for rel in ("zarr.json", "keys/c.0", "_commits/c.1", "boxes/zarr.json"):
         assert f"{url}: {rel}: corrupt" in out
     assert "Traceback" not in out + err
     assert main(["store", "info", url, "--storage-options", json.dumps(options)]) == 1

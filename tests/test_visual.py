@@ -293,7 +293,7 @@ def test_killed_extraction_resumes_to_the_same_store(demo, tmp_path):
     run = [sys.executable, "-W", "ignore", "-c", JOB, str(root)]
     subprocess.run([*run, str(tmp_path / "clean.zarr")], check=True, env=env)
     proc = subprocess.Popen([*run, str(tmp_path / "killed.zarr")], env=env)
-    marker = incomplete_path(tmp_path / "killed.zarr") / "_commits" / "c" / "0"
+    marker = incomplete_path(tmp_path / "killed.zarr") / "_commits" / "c.0"
     deadline = time.time() + 120
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)

@@ -2,7 +2,9 @@
 
 Not a DVC stage: the DAG trains from the feature stores (memory-mapped on one machine),
 and shards duplicate the stores' bytes, so they are built on demand for streaming
-training (many machines, object storage).
+training (many machines, object storage): set ``train.shards`` to the output folder or
+URL. Pack the stores the model trains from (its image store and the text store, and the
+scene graphs for UniVSE); training checks the shards against them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def _named_paths(items: list[str], option: str) -> dict[str, str]:
 
 def arguments(p) -> None:
     path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
-    path_out(p, "--out", help="output folder of the shards")
+    path_out(p, "--out", help="output folder of the shards, or a URL (s3://bucket/shards)")
+    p.add_argument(
+        "--storage-options",
+        help='fsspec options of --out as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
     p.add_argument(
         "--store",
         action="append",
@@ -45,8 +51,10 @@ def arguments(p) -> None:
 
 def run(args, params) -> int:
     from features.ingest import read_manifest
-    from features.shards import build_shards, read_scene_graphs
+    from features.scenegraph_files import GRAPHS
+    from features.shards import build_shards, file_digest, read_scene_graphs
     from features.store import Store
+    from flows.commands.store import _storage_options
 
     manifest = read_manifest(Path(args.manifest))
     stores = {
@@ -56,22 +64,28 @@ def run(args, params) -> int:
     text = (
         Store.open(args.text, kind="text", manifest_digest=manifest.digest) if args.text else None
     )
+    graphs = digest = None
+    if args.scenegraphs:
+        graphs = read_scene_graphs(Path(args.scenegraphs))
+        digest = file_digest(Path(args.scenegraphs) / GRAPHS)
     start = time.perf_counter()
     sizes = build_shards(
         manifest,
         stores,
-        Path(args.out),
-        params.shards.samples_per_shard,
-        progress=progress("shards", unit="block"),
+        args.out,
+        params.shards,
+        progress=progress("shards", unit="shard"),
         text=text,
-        scene_graphs=read_scene_graphs(Path(args.scenegraphs)) if args.scenegraphs else None,
+        scene_graphs=graphs,
+        scene_graphs_digest=digest,
+        storage_options=_storage_options(args),
     )
     seconds = time.perf_counter() - start
-    total = sum(sizes.values())
-    packed = ", ".join(stores) or "no feature stores"
+    images = sum(s["images"] for s in sizes["shards"].values())
+    packed = ", ".join([*stores, *(["text"] if text else [])]) or "no feature stores"
     print(
-        f"shards: {total} samples in {len(sizes)} shards ({packed}) to {args.out} "
-        f"in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} samples/s)"
+        f"shards: {images} images in {len(sizes['shards'])} shards ({packed}) to {args.out} "
+        f"in {seconds:.1f} s ({images / max(seconds, 1e-9):.0f} images/s)"
     )
     return 0
 

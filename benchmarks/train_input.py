@@ -1,0 +1,364 @@
+"""Ready training batches per second at COCO-like scale, against baselines, in one run.
+
+Generates a synthetic split under a temp folder (removed at the end): N images x 36 x 2048
+float16 region features with 5 captions each (word ids, and 768-d float16 BERT-like
+token features of 10..19 tokens), as feature stores, as the precomp layout of the
+reference implementations (``train_ims.npy`` + per-caption arrays), and as WebDataset
+shards built from the stores (``vse shards build``'s code). Then, for MV-VSE's inputs
+(regions + word ids) and CAMERA's (regions + boxes + token features), at batch 128,
+times batches that are ready for the model (float32 tensors, captions padded):
+
+- numpy memmap gather + float32 + padding (the baseline): ``ims[sorted batch]``,
+  ``astype(float32)``, captions padded in numpy;
+- the reference design (vse_infty's ``PrecompRegionDataset``): a map-style Dataset, one
+  ``torch.Tensor(ims[i])`` per item, a collate_fn that stacks and pads; DataLoader with
+  0 and 2 workers;
+- this project's path (``models.batches.Batches`` over ``models.data.PairData``): built in
+  the loop, by a thread, by 2 workers;
+- streaming the WebDataset shards (``models.data.ShardData``), in the loop and 2 workers.
+
+Readers alternate over ``--rounds`` timed passes after a warm-up pass each (warm page
+cache); the best pass counts. Targets (issue 16): ours in one process >= 0.8x the
+baseline and >= 2x the reference; with 2 workers >= 1.5x its own one-process figure;
+WebDataset streaming >= 0.5x the memmap gather alone.
+
+    python benchmarks/train_input.py [--images 8192] [--batch 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from features.ingest import Dataset as Records
+from features.ingest import Record, read_manifest, write_manifest
+from features.shards import ShardsConfig, build_shards
+from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter, regions_fields
+from models.batches import Batches, Stream
+from models.common import TrainConfig
+from models.data import FeaturePaths, PairData, ShardData
+from models.train import epoch_batches
+
+R, D, TOKEN_DIM, CAPTIONS, VOCAB = 36, 2048, 768, 5, 10000
+
+
+# --------------------------------------------------------------------------- data
+
+
+def generate(root: Path, n: int, log=print) -> FeaturePaths:
+    """The synthetic split in every layout (see the module docstring)."""
+    rng = np.random.default_rng(0)
+    keys = [f"img{i:06d}" for i in range(n)]
+    records = [
+        Record(k, f"{k}.jpg", "train", [f"a caption {j}" for j in range(CAPTIONS)]) for k in keys
+    ]
+    write_manifest(records, Records("bench", records), CAPTIONS, root / "manifest.parquet")
+    manifest = read_manifest(root / "manifest.parquet")
+    provenance = Provenance("bench", "1", {}, None, manifest.digest)
+    layout = StoreConfig()
+    ims = np.lib.format.open_memmap(root / "train_ims.npy", "w+", np.float16, (n, R, D))
+    start = time.perf_counter()
+    with StoreWriter(
+        root / "regions.zarr",
+        "regions",
+        regions_fields(R, D),
+        keys,
+        provenance,
+        layout,
+        log=lambda m: None,
+    ) as writer:
+        for shard in writer.pending_shards():
+            a, b = writer.shard_range(shard)
+            block = rng.standard_normal((b - a, R, D), dtype=np.float32).astype(np.float16)
+            ims[a:b] = block
+            corners = np.sort(rng.uniform(0, 600, (b - a, R, 2, 2)), axis=2)
+            writer.write_shard(
+                shard,
+                {
+                    "features": block,
+                    "boxes": corners.reshape(b - a, R, 4),
+                    "n_regions": np.full(b - a, R),
+                    "image_hw": np.tile([480, 640], (b - a, 1)),
+                },
+            )
+    ims.flush()
+    del ims
+    m = n * CAPTIONS
+    lengths = rng.integers(10, 20, m)  # words; + <start>, <end>
+    words = [rng.integers(4, VOCAB, k + 2).astype(np.int32) for k in lengths]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.lib.format.open_memmap(
+        root / "train_tokens.npy", "w+", np.float16, (int(offsets[-1]), TOKEN_DIM)
+    )
+    caption_keys = [f"{k}#{j}" for k in keys for j in range(CAPTIONS)]
+    fields = {
+        "word_ids": FieldSpec((), "int32", ragged=True),
+        "features": FieldSpec((TOKEN_DIM,), "float16", ragged=True),
+    }
+    with StoreWriter(
+        root / "text.zarr", "text", fields, caption_keys, provenance, layout, log=lambda m: None
+    ) as writer:
+        for shard in writer.pending_shards():
+            a, b = writer.shard_range(shard)
+            flat = rng.standard_normal((offsets[b] - offsets[a], TOKEN_DIM), dtype=np.float32)
+            flat = flat.astype(np.float16)
+            tokens[offsets[a] : offsets[b]] = flat
+            cuts = offsets[a : b + 1] - offsets[a]
+            writer.write_shard(
+                shard,
+                {
+                    "word_ids": words[a:b],
+                    "features": [flat[x:y] for x, y in zip(cuts[:-1], cuts[1:], strict=True)],
+                },
+            )
+    tokens.flush()
+    del tokens
+    np.save(root / "train_token_offsets.npy", offsets)
+    np.save(root / "train_word_offsets.npy", np.concatenate([[0], np.cumsum(lengths + 2)]))
+    np.save(root / "train_words.npy", np.concatenate(words))
+    vocab = {"words": ["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]}
+    log(f"generated {n} images, {m} captions in {time.perf_counter() - start:.0f} s")
+    start = time.perf_counter()
+    stores = {"regions": Store.open(root / "regions.zarr")}
+    text = Store.open(root / "text.zarr")
+    build_shards(manifest, stores, root / "shards", ShardsConfig(), text=text)
+    log(f"built the WebDataset shards in {time.perf_counter() - start:.0f} s")
+    (root / "vocab.json").write_text(json.dumps({**vocab, "tfidf_terms": []}))  # last: done
+    return FeaturePaths(
+        manifest=root / "manifest.parquet",
+        regions=root / "regions.zarr",
+        text=root / "text.zarr",
+        vocab=root / "vocab.json",
+    )
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+class Precomp:
+    """The precomp layout, memory-mapped (opened lazily: once per DataLoader worker)."""
+
+    def __init__(self, root: Path, text: str):
+        self.root, self.text = root, text
+        self.n_captions = len(np.load(root / "train_token_offsets.npy")) - 1
+
+    def open(self):
+        if not hasattr(self, "ims"):
+            self.ims = np.load(self.root / "train_ims.npy", mmap_mode="r")
+            if self.text == "words":
+                self.flat = np.load(self.root / "train_words.npy")
+                self.offsets = np.load(self.root / "train_word_offsets.npy")
+            else:
+                self.flat = np.load(self.root / "train_tokens.npy", mmap_mode="r")
+                self.offsets = np.load(self.root / "train_token_offsets.npy")
+        return self
+
+
+def memmap_batch(data: Precomp, captions: np.ndarray) -> dict:
+    """The baseline: one sorted fancy-indexed gather, float32, captions padded in numpy."""
+    data.open()
+    captions = np.sort(captions)
+    images = torch.from_numpy(data.ims[captions // CAPTIONS].astype(np.float32))
+    pieces = [data.flat[data.offsets[c] : data.offsets[c + 1]] for c in captions]
+    lengths = np.array([len(p) for p in pieces])
+    padded = np.zeros((len(pieces), lengths.max(), *pieces[0].shape[1:]), np.float32)
+    for b, piece in enumerate(pieces):
+        padded[b, : len(piece)] = piece
+    return {"regions": images, "text": torch.from_numpy(padded), "lengths": lengths}
+
+
+class PrecompRegionDataset(Dataset):
+    """vse_infty's design: one item per caption, its image read and converted per item."""
+
+    def __init__(self, data: Precomp):
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.n_captions
+
+    def __getitem__(self, index: int):
+        data = self.data.open()
+        image = torch.Tensor(data.ims[index // CAPTIONS])  # (R, D) float32
+        piece = data.flat[data.offsets[index] : data.offsets[index + 1]]
+        target = torch.Tensor(piece) if data.text == "tokens" else torch.from_numpy(piece).long()
+        return image, target, index
+
+
+def collate_fn(items):
+    """vse_infty's collate: sort by caption length, stack images, pad captions."""
+    items.sort(key=lambda x: len(x[1]), reverse=True)
+    images, captions, ids = zip(*items, strict=True)
+    images = torch.stack(images, 0)
+    lengths = [len(c) for c in captions]
+    targets = torch.zeros(len(captions), max(lengths), *captions[0].shape[1:])
+    if captions[0].dtype == torch.long:
+        targets = targets.long()
+    for i, cap in enumerate(captions):
+        targets[i, : lengths[i]] = cap
+    return images, torch.tensor([R] * len(images)), targets, torch.tensor(lengths), ids
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def measure(readers: dict, rounds: int, log=print) -> dict[str, float]:
+    """Best samples/s of each reader over ``rounds`` alternating passes (one warm-up
+    pass each first)."""
+    for name, read in readers.items():
+        read()
+        log(f"  warmed up: {name}")
+    best = dict.fromkeys(readers, 0.0)
+    for _ in range(rounds):
+        for name, read in readers.items():
+            start = time.perf_counter()
+            n = read()
+            best[name] = max(best[name], n / (time.perf_counter() - start))
+    return best
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batches", type=int, default=40, help="batches per timed pass")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="keep the data in this folder (reused)")
+    parser.add_argument("--models", default="mvvse,camera")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="vse-train-input-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"{load()} at start, {os.cpu_count()} CPUs")
+    try:
+        if not (root / "vocab.json").exists():
+            paths = generate(root, args.images)
+        else:
+            paths = FeaturePaths(
+                manifest=root / "manifest.parquet",
+                regions=root / "regions.zarr",
+                text=root / "text.zarr",
+                vocab=root / "vocab.json",
+            )
+        for model in args.models.split(","):
+            run_model(model, paths, root, args)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_model(model: str, paths: FeaturePaths, root: Path, args) -> None:
+    text = "words" if model == "mvvse" else "tokens"
+    inputs = frozenset({"regions", text})
+    data = PairData(paths, "train", inputs)
+    precomp = Precomp(root, text)
+    batch, k = args.batch, args.batches
+    order = epoch_batches(len(data), batch, 0, 0, 0, 1)[:k]
+    tasks = [("pair", c) for c in order]
+    samples = k * batch
+
+    def baseline() -> int:
+        for captions in order:
+            memmap_batch(precomp, captions)
+        return samples
+
+    def gather_only() -> int:  # the memmap gather alone (float16), for WebDataset's target
+        ims = precomp.open().ims
+        for captions in order:
+            np.ascontiguousarray(ims[np.sort(captions) // CAPTIONS])
+        return samples
+
+    def reference(workers: int):
+        loader = DataLoader(
+            PrecompRegionDataset(precomp),
+            batch_size=batch,
+            shuffle=True,
+            num_workers=workers,
+            collate_fn=collate_fn,
+            persistent_workers=bool(workers),
+            generator=torch.Generator().manual_seed(0),
+        )
+
+        def read() -> int:
+            n = 0
+            for i, b in enumerate(loader):
+                n += len(b[0])
+                if i + 1 == k:
+                    break
+            return n
+
+        return read
+
+    streams = {}
+
+    def ours(workers: int, prefetch: int):
+        streams[(workers, prefetch)] = Batches(data, "cpu", num_workers=workers, prefetch=prefetch)
+
+        def read() -> int:
+            return sum(len(b["regions"]) for b in streams[(workers, prefetch)].run(tasks))
+
+        return read
+
+    def shards(workers: int):
+        cfg = TrainConfig(batch_size=batch, num_workers=workers, shuffle_buffer=8192)
+        source = ShardData(str(root / "shards"), data, cfg)
+        streams[("shards", workers)] = Batches(
+            source, "cpu", num_workers=workers, prefetch=2 if workers else 0
+        )
+        passes = [0]
+
+        def read() -> int:
+            passes[0] += 1  # another epoch: another shard order
+            stream = Stream((passes[0], 0, 1), k)
+            return sum(len(b["regions"]) for b in streams[("shards", workers)].run(stream))
+
+        return read
+
+    readers = {
+        "memmap gather + float32 + padding (baseline)": baseline,
+        "memmap gather only, float16": gather_only,
+        "reference: map-style Dataset, DataLoader 0 workers": reference(0),
+        "reference: map-style Dataset, DataLoader 2 workers": reference(2),
+        "ours, built in the loop (one process)": ours(0, 0),
+        "ours, built by a thread (one process)": ours(0, 2),
+        "ours, 2 workers": ours(2, 2),
+        "ours from WebDataset shards, in the loop (one process)": shards(0),
+        "ours from WebDataset shards, 2 workers": shards(2),
+    }
+    print(f"\n{model}: regions + {text}, batch {batch}, {k} batches per pass, {load()}")
+    results = measure(readers, args.rounds)
+    for stream in streams.values():
+        stream.close()
+    base = results["memmap gather + float32 + padding (baseline)"]
+    ref0 = results["reference: map-style Dataset, DataLoader 0 workers"]
+    print(f"{'reader':<56}{'samples/s':>10}{'x baseline':>12}{'x ref (0 w)':>12}")
+    for name, rate in results.items():
+        print(f"{name:<56}{rate:>10.0f}{rate / base:>12.2f}{rate / ref0:>12.2f}")
+    one = results["ours, built in the loop (one process)"]
+    two = results["ours, 2 workers"]
+    ref2 = results["reference: map-style Dataset, DataLoader 2 workers"]
+    wds = results["ours from WebDataset shards, in the loop (one process)"]
+    gather = results["memmap gather only, float16"]
+    print(
+        f"targets: one process / baseline {one / base:.2f} (>= 0.8), / reference "
+        f"{one / ref0:.2f} (>= 2); 2 workers / reference 2 workers {two / ref2:.2f} (>= 2); "
+        f"2 workers / one process {two / one:.2f} (>= 1.5); WebDataset / stores (one "
+        f"process) {wds / one:.2f}, / baseline {wds / base:.2f}, / memmap gather alone "
+        f"{wds / gather:.2f} (>= 0.5 on equal terms: benchmarks/store_read.py); {load()}"
+    )
+
+
+if __name__ == "__main__":
+    main()
