@@ -16,7 +16,6 @@ or caption (its key), never a number in the report.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -168,8 +167,8 @@ def adversarial_metrics(
     return out
 
 
-def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -> dict:
-    """Everything ``vse evaluate`` reports for one model on one split."""
+def embed(model, data, cfg: EvaluateConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image and caption embedding of ``data`` (read by ``cfg.num_workers``)."""
     from models.batches import Batches
 
     model.eval()
@@ -177,6 +176,18 @@ def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -
     with Batches(data, device, **options) as batches:
         img = encode_images(model, data, cfg.batch_size, device, batches)
         txt = encode_texts(model, data, cfg.batch_size, device, batches=batches)
+    return img, txt
+
+
+def evaluate_model(
+    model, data, cfg: EvaluateConfig, device, adversarial=None, embeddings=None
+) -> dict:
+    """Everything ``vse evaluate`` reports for one model on one split (``embeddings``: the
+    split's ``(img, txt)`` if already computed, see :func:`embed`)."""
+    from models.batches import Batches
+
+    options = {"num_workers": cfg.num_workers, "prefetch": cfg.prefetch}
+    img, txt = embeddings if embeddings is not None else embed(model, data, cfg, device)
     sims = similarity_matrix(model.similarity, img, txt)
     c2i = torch.from_numpy(data.caption_image).to(device)
     report: dict = {
@@ -196,34 +207,4 @@ def evaluate_model(model, data, cfg: EvaluateConfig, device, adversarial=None) -
             report["adversarial"] = adversarial_metrics(
                 model, img, txt, data, adversarial, cfg.batch_size, device, batches
             )
-    return report
-
-
-def evaluate_stage(
-    name: str,
-    checkpoint: Path,
-    paths,
-    cfg: EvaluateConfig,
-    out: Path,
-    adversarial_store: Path | None = None,
-    adversarial_captions: Path | None = None,
-) -> dict:
-    """Stage ``evaluate@<name>``: the checkpoint's model on ``cfg.split`` (standardised with
-    the train statistics it was trained with), written as the metrics JSON ``out``."""
-    from features.device import resolve_device
-    from features.files import write_json
-    from models.data import PairData
-    from models.registry import model_inputs
-    from models.train import load_checkpoint
-
-    device = resolve_device(cfg.device)
-    model, info = load_checkpoint(checkpoint, device)
-    data = PairData(paths, cfg.split, model_inputs(name, model.cfg))
-    if info.feature_stats:
-        data.standardize(info.feature_stats)
-    adversarial = None
-    if adversarial_captions:
-        adversarial = data.with_adversarial(adversarial_store, adversarial_captions)
-    report = {"model": name, **evaluate_model(model, data, cfg, device, adversarial)}
-    write_json(out, report)
     return report

@@ -194,3 +194,30 @@ def write_report(
         images += f"\n![training curves]({os.path.relpath(curves, out.parent)})\n"
     write_text(out, "# Model comparison\n\n" + table + images)
     return table
+
+
+def write_galleries(
+    galleries: list[Path],
+    manifest: Path,
+    images: Path,
+    extremes: Path | None,
+    html: Path,
+    pngs: Path,
+) -> list[Path]:
+    """The retrieval gallery of every model (:func:`models.gallery.write_gallery`) with
+    the images of the manifest and, if given, the Sentence-BERT extremes of the test split."""
+    import json
+
+    from features.ingest import read_manifest
+    from models.gallery_page import load_galleries, write_gallery
+
+    table = read_manifest(manifest).table
+    image_paths = {
+        key: images / path
+        for key, path in zip(table["key"].to_pylist(), table["path"].to_pylist(), strict=True)
+    }
+    consistency = None
+    if extremes is not None:
+        every = json.loads(extremes.read_text())
+        consistency = {split: every[split] for split in ("test",) if split in every}
+    return write_gallery(load_galleries(galleries), image_paths, consistency, html, pngs)

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from models.data import DataInfo
-from models.gallery import TOP_K, retrievals, view_regions, write_gallery
+from models.gallery import TOP_K, retrievals, view_regions
+from models.gallery_page import write_gallery
 
 
 def test_retrievals_mark_the_ground_truth_and_rank_by_score():

@@ -17,21 +17,46 @@ def evaluate_arguments(p) -> None:
     path_in(p, "--adversarial", help="text store of the adversarial captions")
     path_in(p, "--adversarial-captions", help="parquet of the adversarial captions")
     path_out(p, "--out", help="JSON of the metrics (a DVC metrics file)")
+    path_out(
+        p,
+        "--gallery",
+        required=False,
+        help="JSON of what the model retrieves for a few queries (vse report draws it)",
+    )
 
 
 def run_evaluate(args, params) -> int:
-    from models.evaluate import evaluate_stage
+    """The checkpoint's model on ``evaluate.split`` (standardised with the train statistics
+    it was trained with): metrics JSON, and the gallery's data when asked."""
+    from features.device import resolve_device
+    from features.files import write_json
+    from models.data import PairData
+    from models.evaluate import embed, evaluate_model
+    from models.registry import model_inputs
+    from models.train import load_checkpoint
 
     start = time.perf_counter()
-    report = evaluate_stage(
-        args.model,
-        Path(args.checkpoint),
-        feature_paths(args),
-        params.evaluate,
-        Path(args.out),
-        Path(args.adversarial) if args.adversarial else None,
-        Path(args.adversarial_captions) if args.adversarial_captions else None,
-    )
+    cfg = params.evaluate
+    device = resolve_device(cfg.device)
+    model, info = load_checkpoint(Path(args.checkpoint), device)
+    data = PairData(feature_paths(args), cfg.split, model_inputs(args.model, model.cfg))
+    if info.feature_stats:
+        data.standardize(info.feature_stats)
+    adversarial = None
+    if args.adversarial_captions:
+        store = Path(args.adversarial) if args.adversarial else None
+        adversarial = data.with_adversarial(store, Path(args.adversarial_captions))
+    embeddings = embed(model, data, cfg, device)
+    report = {
+        "model": args.model,
+        **evaluate_model(model, data, cfg, device, adversarial, embeddings=embeddings),
+    }
+    write_json(Path(args.out), report)
+    if args.gallery:
+        from models.gallery import gallery_data
+
+        gallery = gallery_data(model, data, *embeddings, device)
+        write_json(Path(args.gallery), {"model": args.model, **gallery})
     full = report["full"]
     attacked = ", ".join(f"{a} {m['i2t_r1']:.1f}" for a, m in report.get("adversarial", {}).items())
     print(

@@ -15,6 +15,12 @@ def report_arguments(p) -> None:
         p, "--histories", nargs="+", help="per-epoch JSON rows of each model (vse train --plots)"
     )
     path_out(p, "--curves", required=False, help="PNG of every model's training curves")
+    path_in(p, "--galleries", nargs="+", help="gallery JSON of each model (vse evaluate --gallery)")
+    path_in(p, "--manifest", help="manifest (image paths), with --galleries")
+    path_in(p, "--images", help="images root of the manifest, with --galleries")
+    path_in(p, "--extremes", help="Sentence-BERT extremes JSON (vse stats sbert --examples)")
+    path_out(p, "--gallery-html", required=False, help="the gallery page to write (one file)")
+    path_out(p, "--gallery-pngs", required=False, help="folder for the gallery's PNGs")
 
 
 def run_report(args, params) -> int:
@@ -32,6 +38,25 @@ def run_report(args, params) -> int:
         )
     )
     print(f"report -> {args.out}, {args.plot}" + (f", {curves}" if curves else ""))
+    if args.galleries:
+        from features.config import UserError
+        from models.report import write_galleries
+
+        needed = ("manifest", "images", "gallery_html", "gallery_pngs")
+        missing = [f"--{n.replace('_', '-')}" for n in needed if not getattr(args, n)]
+        if missing:
+            raise UserError(f"--galleries needs {', '.join(missing)}")
+        pngs = write_galleries(
+            [Path(g) for g in args.galleries],
+            Path(args.manifest),
+            Path(args.images),
+            Path(args.extremes) if args.extremes else None,
+            Path(args.gallery_html),
+            Path(args.gallery_pngs),
+        )
+        print(
+            f"report: gallery -> {args.gallery_html} ({len(pngs)} pictures in {args.gallery_pngs})"
+        )
     return 0
 
 
