@@ -45,8 +45,8 @@ this file follows the paper:
   only the N views (eq. 14) and the sentence (eq. 18) are normalised.
 - Region FC initialisation (the paper is silent). Official ``init_weights``: Xavier-uniform,
   zero bias. Ours: PyTorch's default.
-- Box code (eq. 9). Paper and official ``absoluteEncode``: ``w_i / h_i`` in pixels. Ours:
-  the ratio of the normalised box, which differs by the image's h/w (see ``box_code``).
+- Box code (eq. 9). Paper and official ``absoluteEncode``: ``w_i / h_i`` in pixels; ours
+  too (the normalised box's ratio times the image's width / height, see ``box_code``).
 - Text MLP (eq. 17). Official ``TextEncoder.forward``: ``fc2(dropout(relu(fc1(t))))``, then
   a BatchNorm, then the residual. Ours: eq. 17, no BatchNorm.
 - Padding. Official: no masks; 36 regions per image; captions cut to ``--max_words 32``
@@ -119,19 +119,24 @@ class CAMERAConfig(Section):
         return self
 
 
-def box_code(boxes: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+def box_code(
+    boxes: torch.Tensor, aspect: torch.Tensor | None = None, eps: float = 1e-3
+) -> torch.Tensor:
     """Eq. 9: ``(B, R, 4)`` normalised x1, y1, x2, y2 -> ``(B, R, 6)``
     ``(x/w, y/h, w_i/w, h_i/h, w_i/h_i, w_i h_i / (w h))``.
 
-    The batch holds boxes already divided by the image size, so the aspect ratio is that of
-    the normalised box (the pixel ratio times h/w of the image), not the pixel ratio of the
-    paper and of the official ``absoluteEncode``; the height is clamped at ``eps`` so that
-    degenerate boxes give a large but finite ratio.
+    The boxes come divided by the image size; the aspect ratio ``w_i/h_i`` is that of the
+    box in pixels, as in the paper and the official ``absoluteEncode``: the normalised
+    box's ratio times the image's ``aspect (B,)`` (width / height). The height is clamped
+    at ``eps`` so that degenerate boxes give a large but finite ratio.
     """
     x1, y1, x2, y2 = boxes.unbind(-1)  # (B, R) each
     w = (x2 - x1).clamp_min(0)
     h = (y2 - y1).clamp_min(0)
-    return torch.stack([x1, y1, w, h, w / h.clamp_min(eps), w * h], dim=-1)  # (B, R, 6)
+    ratio = w / h.clamp_min(eps)
+    if aspect is not None:
+        ratio = ratio * aspect.to(ratio)[:, None]
+    return torch.stack([x1, y1, w, h, ratio, w * h], dim=-1)  # (B, R, 6)
 
 
 class AGSA(nn.Module):
@@ -213,7 +218,7 @@ class CAMERA(nn.Module):
 
     name = "camera"
     Config = CAMERAConfig
-    inputs = frozenset({"regions", "tokens"})
+    inputs = frozenset({"regions", "boxes", "tokens"})
 
     def __init__(self, cfg: CAMERAConfig, info: DataInfo):
         super().__init__()
@@ -234,7 +239,9 @@ class CAMERA(nn.Module):
         regions = batch["regions"]  # (B, R, Dr)
         mask = lengths_mask(batch["region_lengths"].clamp_min(1), regions.size(1))  # (B, R)
         v = self.region_fc(regions)  # (B, R, D), eq. 8
-        p = torch.sigmoid(self.position_fc(box_code(batch["boxes"]).to(v.dtype)))  # eq. 9-10
+        p = torch.sigmoid(
+            self.position_fc(box_code(batch["boxes"], batch.get("image_aspect")).to(v.dtype))
+        )  # eq. 9-10
         v = self.image_agsa(v * p, mask)  # (B, R, D), eq. 11
         v = v.masked_fill(~mask[..., None], 0)
         logits = self.summarize(v)  # (B, R, N), S~ of eq. 13

@@ -55,7 +55,7 @@ from features.config import UserError
 from models.common import lengths_mask
 
 STATS_BLOCK = 128  # images read at a time for the feature statistics
-IMAGE_INPUTS = frozenset({"image", "regions", "grid", "labels"})
+IMAGE_INPUTS = frozenset({"image", "regions", "boxes", "grid", "labels"})
 TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf", "scene_graph", "labels"})
 
 
@@ -178,11 +178,12 @@ def image_arrays(inputs, stores, rows, alloc=np.empty) -> dict[str, np.ndarray]:
         lengths = alloc((len(r),), np.int64)
         np.maximum(store.gather("n_regions", r), 1, out=lengths)
         out["region_lengths"] = lengths  # (B,)
-        if "boxes" in store.fields:
-            hw = store.gather("image_hw", r).astype(np.float32)  # (B, 2): height, width
+        if "boxes" in inputs:
+            hw = np.maximum(store.gather("image_hw", r).astype(np.float32), 1)  # (B, 2): h, w
             boxes = store.gather("boxes", r, alloc).astype(np.float32, copy=False)  # (B, R, 4)
-            np.divide(boxes, np.maximum(hw[:, [1, 0, 1, 0]], 1)[:, None, :], out=boxes)
+            np.divide(boxes, hw[:, [1, 0, 1, 0]][:, None, :], out=boxes)
             out["boxes"] = boxes  # x1, y1, x2, y2 over the image width / height
+            out["image_aspect"] = hw[:, 1] / hw[:, 0]  # (B,) width / height
     if "grid" in inputs:
         grid = stores["grid"].gather("features", rows["grid"], alloc)  # (B, g, g, Dg)
         out["grid"] = grid.reshape(len(grid), -1, grid.shape[-1])  # (B, G, Dg)
@@ -272,7 +273,8 @@ class PairData:
             raise DataError(f"{paths.manifest}: split {split!r} has no images")
         self.split = split
         self.image_keys = table["key"].to_pylist()
-        self.labels = np.asarray(table["label"].to_numpy(zero_copy_only=False), dtype=np.int64)
+        labels = table["label"].fill_null(-1)  # -1: no class (datasets without labels)
+        self.labels = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=np.int64)
         captions = table["captions"].to_pylist()
         self.caption_keys = [
             f"{k}#{i}"
@@ -300,6 +302,12 @@ class PairData:
             uses = {uses} if isinstance(uses, str) else uses
             if uses & inputs:
                 self.stores[name] = Store.open(_need(path, flag, what))
+        if "boxes" in inputs and "boxes" not in self.stores["regions"].fields:
+            raise DataError(
+                f"{paths.regions}: the region store has no boxes (imported from a precomp "
+                "folder?), and this model reads region boxes; import bottom-up-attention "
+                "TSVs (vse store import-tsv) or extract the regions (vse extract regions)"
+            )
         image_stores = {k: s for k, s in self.stores.items() if k != "text"}
         self.image_rows = join_by_key(image_stores, self.image_keys) if image_stores else {}
         if "text" in self.stores:

@@ -105,20 +105,24 @@ def gallery_data(model, data, img, txt, device) -> dict:
         "split": data.split,
         **retrievals(sims, data.caption_image, data.image_keys, data.caption_keys, data.captions),
     }
-    if hasattr(model, "view_attention"):
+    regions = data.stores.get("regions")
+    if hasattr(model, "view_attention") and regions is not None and "boxes" in regions.fields:
         chosen = query_positions(data.n_images, VIEW_IMAGES)
         batch = to_device(data.image_batch(np.asarray(chosen)), device)
-        entries = view_regions(model, batch, txt, data.captions, data.caption_keys)
+        rows = data.image_rows["regions"][chosen]
+        hw = np.maximum(regions.gather("image_hw", rows).astype(np.float32), 1)  # (B, 2)
+        boxes = regions.gather("boxes", rows) / hw[:, [1, 0, 1, 0]][:, None, :]  # (B, R, 4)
+        entries = view_regions(model, batch, txt, data.captions, data.caption_keys, boxes)
         out["views"] = [
             {"image": data.image_keys[i], **e} for i, e in zip(chosen, entries, strict=True)
         ]
     return out
 
 
-def view_regions(model, batch: dict, txt, captions, caption_keys) -> list[dict]:
-    """For each image of ``batch``: its kept regions' boxes (normalised), each view's
-    attention over them (``model.view_attention``), and the caption (of ``txt``, all the
-    split's caption embeddings) that the view matches best."""
+def view_regions(model, batch: dict, txt, captions, caption_keys, boxes) -> list[dict]:
+    """For each image of ``batch``: its kept regions' ``boxes`` (``(B, R, 4)``, normalised),
+    each view's attention over them (``model.view_attention``), and the caption (of ``txt``,
+    all the split's caption embeddings) that the view matches best."""
     import torch
 
     with torch.no_grad():
@@ -126,7 +130,7 @@ def view_regions(model, batch: dict, txt, captions, caption_keys) -> list[dict]:
         views = model.encode_image(batch).float()  # (B, V, D)
         scores = torch.einsum("bvd,cd->bvc", views, txt.to(views)).cpu().numpy()  # (B, V, C)
     lengths = batch["region_lengths"].cpu().numpy()
-    boxes = batch["boxes"].float().cpu().numpy()
+    boxes = np.asarray(boxes, dtype=np.float32)
     out = []
     for b in range(len(lengths)):
         n = int(lengths[b])

@@ -63,8 +63,7 @@ def _runs_code(path: Path) -> bool:
     """Whether a file holds more than a docstring (an empty ``__init__.py`` runs nothing)."""
     body = ast.parse(path.read_text()).body
     return any(
-        not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-        for node in body
+        not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body
     )
 
 

@@ -17,7 +17,9 @@ from models.data import DataError, PairData, _tensors, finish, to_device
 from models.train import epoch_batches, train
 from models.vsepp import VSEPPConfig
 
-ALL = frozenset({"image", "regions", "grid", "words", "tokens", "document", "tfidf", "labels"})
+ALL = frozenset(
+    {"image", "regions", "boxes", "grid", "words", "tokens", "document", "tfidf", "labels"}
+)
 # (num_workers, prefetch): in the loop, a thread, processes
 MODES = [(0, 0), (0, 2), (1, 2), (2, 1)]
 

@@ -56,7 +56,8 @@ def test_view_attention_covers_the_kept_regions(name):
     assert attention.shape == (2, views, 5)
     assert torch.all(attention[0, :, 3:] == 0)  # padded regions get nothing
     txt = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1)
-    entries = view_regions(model, batch, txt, ["a", "b", "c", "d"], ["k0", "k1", "k2", "k3"])
+    keys = ["k0", "k1", "k2", "k3"]
+    entries = view_regions(model, batch, txt, ["a", "b", "c", "d"], keys, batch["boxes"])
     assert len(entries[0]["boxes"]) == 3 and len(entries[0]["attention"][0]) == 3
     assert len(entries[1]["best_caption"]) == views
 

@@ -72,6 +72,9 @@ def test_box_code_is_eq_9():
     expected = [[0.1, 0.2, 0.4, 0.2, 2.0, 0.08], [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]]
     torch.testing.assert_close(code[0], torch.tensor(expected))
     assert torch.isfinite(box_code(torch.zeros(1, 1, 4))).all()  # padded boxes
+    # the aspect ratio in pixels: a 0.4 x 0.2 box of a 200 x 100 image is 80 x 20 pixels
+    wide = box_code(boxes, torch.tensor([2.0]))
+    assert wide[0, 0, 4] == pytest.approx(4.0) and wide[0, 1, 4] == pytest.approx(2.0)
 
 
 def test_agsa_matches_eq_4_to_7():

@@ -32,8 +32,7 @@ def test_the_readme_recipe_serves_and_runs_deployments(project, tmp_path_factory
     home = tmp_path_factory.mktemp("prefect_home")
     port = str(_free_port())
     lines = [
-        line.replace("4200", port).replace("$PWD/.prefect", str(home))
-        for line in readme_recipe()
+        line.replace("4200", port).replace("$PWD/.prefect", str(home)) for line in readme_recipe()
     ]
     plain = next(i for i, line in enumerate(lines) if "deployment run" in line)
     assert "overrides" in lines[plain + 1], "the recipe's second run has an override"
