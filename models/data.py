@@ -214,6 +214,42 @@ def text_arrays(inputs, text, rows, tfidf_dim: int = 0, alloc=np.empty) -> dict[
     return out
 
 
+# batch key -> (store role, field) of the float inputs checked for NaN and infinities
+FLOAT_INPUTS = {
+    "image": ("global", "features"),
+    "regions": ("regions", "features"),
+    "grid": ("grid", "features"),
+    "tokens": ("text", "features"),
+    "document": ("text", "document"),
+    "tfidf": ("text", "tfidf_values"),
+}
+
+
+class _KeysAt:
+    """``keys[positions[i]]``, looked up only when an error names one."""
+
+    def __init__(self, keys, positions):
+        self.keys, self.positions = keys, positions
+
+    def __getitem__(self, i: int) -> str:
+        return self.keys[int(self.positions[i])]
+
+
+def refuse_non_finite(batch: dict, urls: dict, image_keys, caption_keys) -> None:
+    """One line naming the store, field and key of the first sample of ``batch`` (a raw
+    batch, rows aligned with ``image_keys`` / ``caption_keys``) whose float input holds NaN
+    or infinite values: a model never trains or is evaluated on them. One vectorised pass
+    per array, where the batch is built (off the training step)."""
+    from features.finite import check_finite
+
+    for key, (role, name) in FLOAT_INPUTS.items():
+        value = batch.get(key)
+        if value is None or value.dtype.kind != "f" or np.isfinite(value).all():
+            continue
+        keys = caption_keys if role == "text" else image_keys
+        check_finite(value, urls.get(role, role), name, keys)
+
+
 def finish(batch: dict, stats: dict, alloc=None) -> dict:
     """A raw batch (tensors, on the CPU or a device) as the models read it: every
     floating tensor in float32, the image inputs named in ``stats`` standardised as ``(x -
@@ -416,17 +452,27 @@ class PairData:
         diagonal)."""
         index = np.asarray(index, dtype=np.int64)
         if kind == "image":
-            return self._image_arrays(index, alloc)
-        if kind == "text":
-            return self._text_arrays(index, alloc)
-        if kind != "pair":
+            images, captions = index, None
+            out = self._image_arrays(index, alloc)
+        elif kind == "text":
+            images, captions = None, index
+            out = self._text_arrays(index, alloc)
+        elif kind == "pair":
+            images, captions = self.caption_image[index], index
+            out = {
+                **self._image_arrays(images, alloc),
+                **self._text_arrays(index, alloc),
+                "caption_image": _put(alloc, images),
+            }
+        else:
             raise ValueError(f"unknown batch kind {kind!r}: image, text or pair")
-        images = self.caption_image[index]
-        return {
-            **self._image_arrays(images, alloc),
-            **self._text_arrays(index, alloc),
-            "caption_image": _put(alloc, images),
-        }
+        refuse_non_finite(
+            out,
+            {role: store.url for role, store in self.stores.items()},
+            _KeysAt(self.image_keys, images),
+            _KeysAt(self.caption_keys, captions),
+        )
+        return out
 
     def _image_arrays(self, images: np.ndarray, alloc) -> dict[str, np.ndarray]:
         rows = {role: r[images] for role, r in self.image_rows.items()}
@@ -677,6 +723,8 @@ class ShardData:
             batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
             out.update({k: v.numpy() for k, v in batch.items()})
         out["caption_image"] = _put(alloc, index)
+        keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image
+        refuse_non_finite(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
         return out
 
     @staticmethod

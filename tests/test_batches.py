@@ -243,3 +243,30 @@ def test_cuda_steps_do_not_synchronise(tmp_path):
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum(w.filename.endswith(os.path.join("models", "train.py")) for w in caught))
     assert counts[0] == counts[1], counts
+
+
+def test_a_non_finite_input_is_refused_naming_the_store_field_and_key(tmp_path):
+    """A store holding NaN (damaged, or made by a broken tool) never trains a model: the
+    batch is refused, one line naming the store, the field and the sample."""
+    from features.finite import NonFiniteError
+    from features.store import Store
+
+    stores = make_stores(tmp_path)
+    regions = Store.open(stores.regions)
+    data = PairData(stores, "train", ALL)
+    position = data.image_keys.index("img004")
+    original = regions.gather("features", np.array([data.image_rows["regions"][position]]))
+
+    def poisoned(field, rows, alloc=np.empty):  # the store's values, one of them NaN
+        values = Store.gather(data.stores["regions"], field, rows, alloc)
+        if field == "features":
+            values = values.copy()
+            values[np.asarray(rows) == data.image_rows["regions"][position], 0, 0] = np.nan
+        return values
+
+    data.stores["regions"].gather = poisoned
+    assert np.isfinite(original).all()
+    captions = np.flatnonzero(data.caption_image == position)
+    with pytest.raises(NonFiniteError, match=r"regions.zarr: field 'features' of 'img004'"):
+        data.build("pair", np.concatenate([[0], captions]))
+    data.build("pair", np.array([0, 1]))  # the other samples are fine
