@@ -31,8 +31,9 @@ from features.config import ConfigError
 from features.images import BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
-from features.visual import EXTRACTOR_VERSION, weights_digest
+from features.visual import EXTRACTOR_VERSION
 from features.visual_config import ExtractConfig
+from features.weights import weights_digest
 
 
 class Extractor(Protocol):
@@ -123,7 +124,7 @@ def image_store_writer(
         extractor.name,
         EXTRACTOR_VERSION,
         extractor.provenance_params(),
-        weights_digest(cfg.weights, cfg.seed),
+        weights_digest(cfg.weights, cfg.seed, f"{extractor.kind}.weights"),
         manifest.digest,
     )
     keys = manifest.table["key"].to_pylist()
