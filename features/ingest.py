@@ -9,7 +9,8 @@ Readers turn each supported layout into :class:`Record` s:
   CSVs of ``image name, text, class`` named after their split (``train_titles.csv``); a
   seeded, hash-based part of train is held out as val, since the dataset has none.
 - ``demo``: the synthetic demo dataset (:mod:`features.demo`), which is Karpathy JSON plus
-  class labels and ground-truth boxes.
+  class labels, ground-truth boxes with names (the shapes) and, per box, its attributes
+  (colour and size, from ``objects``): the boxes a detector trains on.
 
 :func:`validate` checks every record and never aborts: problems go to an error list
 (key, reason, detail) with counts, and :func:`error_fraction` lets the entry point fail
@@ -36,7 +37,7 @@ from pydantic import Field
 
 from features.config import Section
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2  # 2: box_attributes (version 1 reads as all-null)
 SPLITS = ("train", "val", "test")
 KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
@@ -82,6 +83,7 @@ class Record:
     label: int | None = None
     boxes: list | None = None
     box_names: list | None = None
+    box_attributes: list | None = None  # one list of attribute names per box
     problem: str | None = None  # set by a reader that could not parse the record
 
 
@@ -147,7 +149,8 @@ def _read_text(path: Path) -> str:
 
 
 def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
-    """Karpathy split JSON, plus the demo's optional ``label``/``boxes``/``box_names``."""
+    """Karpathy split JSON, plus the optional ``label``/``boxes``/``box_names``/
+    ``box_attributes`` of datasets with boxes."""
     try:
         data = json.loads(_read_text(annotations))
     except json.JSONDecodeError as err:
@@ -179,6 +182,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
                 label=image.get("label"),
                 boxes=image.get("boxes"),
                 box_names=image.get("box_names"),
+                box_attributes=image.get("box_attributes"),
             )
         )
     return Dataset(str(data.get("dataset", "karpathy")), records, data.get("class_names"))
@@ -227,9 +231,26 @@ def read_food101(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Da
     return Dataset("food101", rows, class_names)
 
 
+def read_demo(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """The demo's Karpathy JSON; each box's attributes are its object's colour and size."""
+    dataset = read_karpathy(annotations, images_root, cfg)
+    objects = {}
+    data = json.loads(_read_text(annotations))
+    for image in data["images"]:
+        if isinstance(image, dict) and isinstance(image.get("filename"), str):
+            objects[Path(image["filename"]).stem] = image.get("objects")
+    for record in dataset.records:
+        described = objects.get(record.key)
+        if record.problem is None and isinstance(described, list) and record.box_attributes is None:
+            record.box_attributes = [
+                [o.get("color"), o.get("size")] if isinstance(o, dict) else None for o in described
+            ]
+    return dataset
+
+
 READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
     "karpathy": read_karpathy,
-    "demo": read_karpathy,  # the demo dataset is Karpathy JSON with extras
+    "demo": read_demo,
     "food101": read_food101,
 }
 
@@ -314,7 +335,10 @@ def validate(
                 captions.append(caption.strip())
         if not captions:
             report.error(key, "no_captions", "no usable caption left")
-        if reason or record.split not in KARPATHY_SPLITS or not captions:
+        box_problem = _box_problem(record)
+        if box_problem:
+            report.error(key, "malformed_record", box_problem)
+        if reason or record.split not in KARPATHY_SPLITS or not captions or box_problem:
             continue  # the record cannot be used; its errors are reported above
         if len(captions) != captions_per_image:
             report.warnings.append(
@@ -331,6 +355,30 @@ def validate(
     return kept, report
 
 
+def _box_problem(record: Record) -> str | None:
+    """Why the record's boxes, names and attributes cannot be stored, if they cannot."""
+    boxes, names, attributes = record.boxes, record.box_names, record.box_attributes
+    if boxes is None:
+        if names is not None or attributes is not None:
+            return "box_names or box_attributes without boxes"
+        return None
+    if not isinstance(boxes, list) or not all(
+        isinstance(b, list | tuple) and len(b) == 4 and all(isinstance(v, int | float) for v in b)
+        for b in boxes
+    ):
+        return "boxes must be a list of [x1, y1, x2, y2]"
+    for field_name, values in (("box_names", names), ("box_attributes", attributes)):
+        if values is not None and (not isinstance(values, list) or len(values) != len(boxes)):
+            return f"{field_name} must have one entry per box ({len(boxes)})"
+    if names is not None and not all(isinstance(n, str) for n in names):
+        return "box_names must be strings"
+    if attributes is not None and not all(
+        isinstance(a, list) and all(isinstance(v, str) for v in a) for a in attributes
+    ):
+        return "box_attributes must be one list of strings per box"
+    return None
+
+
 # --------------------------------------------------------------------------- manifest
 
 MANIFEST_SCHEMA = pa.schema(
@@ -342,9 +390,13 @@ MANIFEST_SCHEMA = pa.schema(
         ("label", pa.int32()),
         ("boxes", pa.list_(pa.list_(pa.float32(), 4))),
         ("box_names", pa.list_(pa.string())),
+        ("box_attributes", pa.list_(pa.list_(pa.string()))),
     ]
 )
 MANIFEST_COLUMNS = MANIFEST_SCHEMA.names
+# Columns added after version 1: left out of the digest when null, so datasets without
+# them keep their digest (and their feature stores stay valid).
+NEWER_COLUMNS = ("box_attributes",)
 
 
 def manifest_digest(records: list[Record], class_names: list[str] | None) -> str:
@@ -352,7 +404,11 @@ def manifest_digest(records: list[Record], class_names: list[str] | None) -> str
     h = hashlib.sha256()
     h.update(json.dumps(class_names).encode())
     for r in records:
-        row = {c: getattr(r, c) for c in MANIFEST_COLUMNS}
+        row = {
+            c: getattr(r, c)
+            for c in MANIFEST_COLUMNS
+            if c not in NEWER_COLUMNS or getattr(r, c) is not None
+        }
         h.update(json.dumps(row, sort_keys=True, separators=(",", ":")).encode())
         h.update(b"\n")
     return h.hexdigest()
@@ -403,11 +459,15 @@ def read_manifest(path: Path) -> Manifest:
     if raw is None:
         raise IngestError(f"{path}: not a vse manifest (no 'vse' metadata); run `vse prepare`")
     meta = json.loads(raw)
-    if meta.get("schema_version") != MANIFEST_SCHEMA_VERSION:
+    if meta.get("schema_version") not in (1, MANIFEST_SCHEMA_VERSION):
         raise IngestError(
             f"{path}: manifest schema version {meta.get('schema_version')}, this code reads "
             f"{MANIFEST_SCHEMA_VERSION}; rerun `vse prepare` (dvc repro prepare)"
         )
+    for name in NEWER_COLUMNS:  # a version-1 manifest: the column is all null
+        if name not in table.column_names:
+            field = MANIFEST_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
     return Manifest(
         table, meta["dataset"], meta["class_names"], meta["captions_per_image"], meta["digest"]
     )
