@@ -202,6 +202,54 @@ def cmd_extract_adversarial(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def cmd_train_detector(args: argparse.Namespace, params: Params) -> int:
+    """``vse train-detector``: the bottom-up detector (temporary entry point, to become
+    ``vse train detector``). One of --manifest (boxes in the manifest: the demo), --coco
+    (COCO instances JSON, optional --coco-val) or --vg-objects (Visual Genome, optional
+    --vg-attributes) gives the boxes."""
+    from tqdm import tqdm
+
+    from features import detection_data as dd
+    from features.detector_train import plot_ap, train_detector, write_metrics
+    from features.ingest import read_manifest
+
+    cfg = params.detector
+    images = Path(args.images)
+    if args.manifest:
+        dataset = dd.read_manifest_boxes(read_manifest(Path(args.manifest)), cfg)
+    elif args.coco:
+        dataset = dd.read_coco(Path(args.coco), Path(args.coco_val) if args.coco_val else None, cfg)
+    else:
+        attributes = Path(args.vg_attributes) if args.vg_attributes else None
+        dataset = dd.read_visual_genome(Path(args.vg_objects), attributes, cfg, images)
+    summary = dataset.summary()
+    print(f"train detector: {json.dumps(summary)}")
+    start = time.perf_counter()
+    metrics = train_detector(
+        dataset,
+        images,
+        cfg,
+        Path(args.out),
+        resume=args.resume,
+        log=print,
+        progress=lambda total: tqdm(
+            total=total, desc="detector", unit="img", mininterval=1.0, dynamic_ncols=True
+        ),
+    )
+    write_metrics(metrics, Path(args.metrics))
+    plot_ap(metrics, Path(args.plot))
+    attr = metrics.get("attribute_accuracy")
+    print(
+        f"train detector: mAP@0.5 {metrics['map50']:.3f}, recall {metrics['recall']:.3f} "
+        f"(proposals {metrics['proposal_recall']:.3f}), class accuracy "
+        f"{metrics['class_accuracy']:.3f}"
+        + (f", attribute accuracy {attr:.3f}" if attr is not None else "")
+        + f" on {metrics['val_images']} val images; {time.perf_counter() - start:.0f} s -> "
+        f"{args.out}, {args.metrics}, {args.plot}"
+    )
+    return 0
+
+
 def _feature_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", required=True, help="manifest parquet (vse prepare)")
     p.add_argument("--global", dest="global_", help="global image store (vse extract global)")
@@ -231,6 +279,26 @@ def add_commands(commands, extract_commands) -> None:
         "--resume", action="store_true", help="continue from OUT/last.pt (same params and data)"
     )
     p.set_defaults(func=cmd_train)
+
+    p = commands.add_parser(
+        "train-detector",
+        help="train the bottom-up detector: Faster R-CNN + attribute head (params: detector)",
+        description="Trains on the train split, reports mAP@0.5, recall and attribute "
+        "accuracy on val (metrics, per-class AP plot), writes OUT/detector.pt for "
+        "regions.weights and grid.weights; OUT/last.pt every epoch (--resume).",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifest", help="manifest with boxes (the demo)")
+    source.add_argument("--coco", help="COCO instances JSON (train)")
+    source.add_argument("--vg-objects", help="Visual Genome objects.json")
+    p.add_argument("--coco-val", help="COCO instances JSON (val); else a hold-out of train")
+    p.add_argument("--vg-attributes", help="Visual Genome attributes.json")
+    p.add_argument("--images", required=True, help="images root")
+    p.add_argument("--out", required=True, help="folder for detector.pt and last.pt")
+    p.add_argument("--metrics", required=True, help="JSON of the val metrics (DVC metrics)")
+    p.add_argument("--plot", required=True, help="PNG of the per-class AP")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    p.set_defaults(func=cmd_train_detector)
 
     p = commands.add_parser(
         "evaluate",

@@ -22,7 +22,7 @@ from features.scenegraph import ScenegraphConfig
 from features.shards import ShardsConfig
 from features.store import StoreConfig
 from features.text import TextConfig
-from features.visual_config import GlobalConfig, GridConfig, RegionsConfig
+from features.visual_config import DetectorConfig, GlobalConfig, GridConfig, RegionsConfig
 from models import ModelsConfig
 from models.common import TrainConfig
 from models.evaluate import EvaluateConfig
@@ -35,6 +35,7 @@ class Params(Section):
     prepare: PrepareConfig = PrepareConfig()
     store: StoreConfig = StoreConfig()
     shards: ShardsConfig = ShardsConfig()
+    detector: DetectorConfig = DetectorConfig()
     regions: RegionsConfig = RegionsConfig()
     grid: GridConfig = GridConfig()
     global_: GlobalConfig = Field(GlobalConfig(), alias="global")
