@@ -275,3 +275,42 @@ def extract_global(
                 data["projected"] = projected[lo:hi]
             w.write_shard(shard, data)
     return Store.open(store_path)
+
+
+def region_recall(store_path: Path, manifest: Manifest, iou: float = 0.5) -> dict | None:
+    """How well a regions store covers the manifest's ground-truth boxes, or ``None`` when
+    the manifest has none: per split and overall, the share of ground-truth boxes that a
+    kept region overlaps with IoU >= ``iou`` (``gt_recall``) and the mean number of kept
+    regions per image (``regions_per_image``), over the images extracted (``valid``)."""
+    from torchvision.ops import box_iou
+
+    truth = manifest.table["boxes"].to_pylist()
+    if not any(truth):
+        return None
+    store = Store.open(store_path, kind="regions", manifest_digest=manifest.digest)
+    data = store.read(0, len(store), ["boxes", "n_regions", "valid"])
+    splits = manifest.table["split"].to_pylist()
+    counts: dict[str, list[int]] = {}  # split -> [images, regions, gt boxes, gt found]
+    for i, gt in enumerate(truth):
+        if not data["valid"][i]:
+            continue
+        n = int(data["n_regions"][i])
+        found = 0
+        if gt and n:
+            overlaps = box_iou(torch.tensor(gt), torch.from_numpy(data["boxes"][i, :n]))
+            found = int((overlaps.max(dim=1).values >= iou).sum())
+        for key in (splits[i], "all"):
+            c = counts.setdefault(key, [0, 0, 0, 0])
+            c[0] += 1
+            c[1] += n
+            c[2] += len(gt or [])
+            c[3] += found
+    return {
+        split: {
+            "images": c[0],
+            "regions_per_image": round(c[1] / max(c[0], 1), 4),
+            "gt_boxes": c[2],
+            "gt_recall": round(c[3] / max(c[2], 1), 4),
+        }
+        for split, c in sorted(counts.items())
+    }

@@ -311,6 +311,17 @@ def cmd_extract_images(args: argparse.Namespace, params: Params) -> int:
         ),
     )
     print(f"extract {args.command_name}: {timing.summary()}")
+    coverage = None
+    if args.command_name == "regions":  # recall of ground-truth boxes, when there are some
+        from features.extract import region_recall
+
+        coverage = region_recall(Path(args.out), manifest)
+        if coverage:
+            c = coverage["all"]
+            print(
+                f"extract regions: {c['regions_per_image']:.2f} regions per image; "
+                f"{c['gt_recall']:.1%} of {c['gt_boxes']} ground-truth boxes found (IoU >= 0.5)"
+            )
     _report_bad_images(
         Path(args.out),
         Path(args.errors),
@@ -324,6 +335,7 @@ def cmd_extract_images(args: argparse.Namespace, params: Params) -> int:
                 "infer": round(timing.infer, 2),
                 "write": round(timing.write, 2),
             },
+            **({"ground_truth": coverage} if coverage else {}),
         },
     )
     return 0

@@ -15,7 +15,7 @@ from PIL import Image
 from torchvision.ops import nms, roi_align
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import bad_images, extract_global, extract_images
+from features.extract import bad_images, extract_global, extract_images, region_recall
 from features.ingest import (
     READERS,
     Dataset,
@@ -101,6 +101,16 @@ def test_given_box_features_are_roi_align_on_the_backbone_map(demo, tmp_path):
         np.testing.assert_allclose(
             sample["features"][:n].astype(np.float32), expected, rtol=2e-3, atol=2e-3
         )
+    # with ground-truth boxes in the manifest, the stage reports how well regions cover them
+    coverage = region_recall(tmp_path / "r.zarr", manifest)
+    counts = [len(r["boxes"]) for r in rows]
+    assert coverage["all"] == {
+        "images": len(rows),
+        "regions_per_image": round(sum(counts) / len(rows), 4),
+        "gt_boxes": sum(counts),
+        "gt_recall": 1.0,
+    }
+    assert coverage["val"]["images"] == 3
 
 
 def test_each_box_keeps_its_own_feature(demo):
@@ -322,6 +332,7 @@ def test_bad_images_are_reported_not_fatal(tmp_path):
     cfg = grid_cfg()
     extractor = GridExtractor(build_trunk(cfg), cfg, CPU)
     extract_images(extractor, manifest, tmp_path / "images", tmp_path / "g.zarr", cfg, LAYOUT)
+    assert region_recall(tmp_path / "none.zarr", manifest) is None  # no boxes, no report
     bad = bad_images(tmp_path / "g.zarr")
     assert {k: v[0] for k, v in bad.items()} == {
         "truncated": "corrupt",
