@@ -219,6 +219,7 @@ def build_detector_model(
         "rpn_post_nms_top_n_test": cfg.rpn_post_nms_test,
         "rpn_batch_size_per_image": cfg.rpn_batch_size,
         "box_batch_size_per_image": cfg.box_batch_size,
+        "box_positive_fraction": cfg.box_positive_fraction,
         "box_detections_per_img": cfg.detections_per_image,
         "box_score_thresh": cfg.score_threshold,
         "min_size": cfg.min_side,

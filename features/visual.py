@@ -52,7 +52,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Part of every store fingerprint: bump it with any change that alters extracted features,
 # or a persisted store made by the old code is kept (its fingerprint still matches).
-EXTRACTOR_VERSION = "1"
+EXTRACTOR_VERSION = "2"  # 2: exact BUTD selection (classes of unsurvived proposals)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -132,7 +132,6 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     if obj is None:
         _warn_random("regions", cfg.seed)
     elif kind == "detection":
-        model.roi_heads.attribute_head = None
         load_exact(model, obj, param, what, f"{cfg.weights} ({describe(obj)})")
     elif kind == "classification":
         _load_imagenet_trunk(model, obj, cfg.weights, arch)
@@ -199,10 +198,10 @@ def butd_select(
     cases. NMS itself runs for all classes at once, one rank at a time, on bitsets.
     """
     n = len(boxes)
-    fg = scores[:, 1:].float()  # (P, C-1)
+    fg = scores[:, 1:]  # (P, C-1)
     if n == 0 or fg.shape[1] == 0:
         empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty, torch.zeros(0)
+        return empty, empty, torch.zeros(0, dtype=scores.dtype)
     # torchvision's nms compares the float IoU with the threshold as a double
     over = box_iou(boxes, boxes).double() > cfg.nms_iou  # (P, P) suppression relation
     target = min(cfg.min_boxes, n)
@@ -211,7 +210,7 @@ def butd_select(
     if int((max_conf >= tau).sum()) < target and tau > 0:
         # each class's top proposal survives its NMS: a lower bound on max_conf
         top_score, top_box = fg.max(dim=0)
-        bound = torch.zeros(n).scatter_reduce(0, top_box, top_score, "amax")
+        bound = torch.zeros(n, dtype=fg.dtype).scatter_reduce(0, top_box, top_score, "amax")
         ranked_bound = bound.sort(descending=True).values
         tau = min(tau, float(ranked_bound[target - 1])) if target else tau
         max_conf, best = _max_conf_from(fg, over, tau)
@@ -237,7 +236,7 @@ def _max_conf_from(
     order = order[torch.argsort(cls[order], stable=True)]  # class, score desc, box asc
     box, cls, score = box[order], cls[order], score[order]
     survives = _grouped_nms(box, cls, over)
-    max_conf = torch.zeros(n)
+    max_conf = torch.zeros(n, dtype=fg.dtype)
     best = torch.full((n,), -1, dtype=torch.long)
     if len(box) == 0:
         return max_conf, best
@@ -341,12 +340,13 @@ class RegionExtractor:
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
         rois, pooled, logits = self._forward(items)
         pooled = pooled.float().cpu()
-        scores = F.softmax(logits.float(), dim=-1).cpu()
+        scores = None if logits is None else F.softmax(logits.float(), dim=-1).cpu()
         outputs = []
         start = 0
         for it, boxes in zip(items, rois, strict=True):
             n = len(boxes)
-            feats, probs = pooled[start : start + n], scores[start : start + n]
+            feats = pooled[start : start + n]
+            probs = None if scores is None else scores[start : start + n]
             start += n
             boxes = boxes.float().cpu() / it["scale"]  # back to original-image pixels
             if self.given:
@@ -373,7 +373,10 @@ class RegionExtractor:
                 rois, _ = self.model.rpn(images, feature_maps)
             heads = self.model.roi_heads
             pooled = heads.box_head(heads.box_roi_pool(feature_maps, rois, images.image_sizes))
-            logits, _ = heads.box_predictor(pooled)
+            # class scores only: the selection keeps proposal boxes, so the per-class box
+            # regression (4 x classes outputs a region) is not computed; given boxes need
+            # no scores at all
+            logits = None if self.given else heads.box_predictor.cls_score(pooled)
         return rois, pooled, logits
 
     def _pack(self, feats, boxes, classes, confidence, hw) -> dict[str, np.ndarray]:

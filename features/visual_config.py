@@ -111,6 +111,7 @@ class DetectorConfig(Section):
     rpn_post_nms_test: int = Field(300, ge=1)
     rpn_batch_size: int = Field(256, ge=1)  # anchors sampled per image for the RPN loss
     box_batch_size: int = Field(512, ge=1)  # RoIs sampled per image for the head losses
+    box_positive_fraction: float = Field(0.25, gt=0.0, le=1.0)  # of those, at most foreground
     detections_per_image: int = Field(100, ge=1)
     score_threshold: float = Field(0.05, ge=0.0, le=1.0)  # detections kept for mAP
     # training

@@ -182,7 +182,7 @@ def reference_butd(boxes, scores, cfg):
     plus the class of each kept box (the first class that raised its max_conf, else its
     top-scoring class) and the ranking by max_conf (ties by index)."""
     n, c = scores.shape
-    max_conf = torch.zeros(n)
+    max_conf = torch.zeros(n, dtype=scores.dtype)
     best = torch.zeros(n, dtype=torch.long)
     for k in range(1, c):
         keep = nms(boxes, scores[:, k], cfg.nms_iou)
@@ -251,6 +251,8 @@ def butd_cases():
         torch.tensor([[0, 0.9], [0, 0.8]] * 2),
         (cfg.model_copy(update={"nms_iou": 0.5, "min_boxes": 0})),
     )
+    logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
+    yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
     yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
 
 
