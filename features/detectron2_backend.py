@@ -56,7 +56,9 @@ class Detectron2RegionExtractor(RegionExtractor):
 
     @property
     def name(self) -> str:
-        return f"regions-detectron2-{self.cfg.architecture}"
+        from pathlib import Path
+
+        return f"regions-detectron2-{Path(self.cfg.detectron2_config or 'model').stem}"
 
     def prepare(self, image, row):
         """detectron2 models take BGR 0..255 and normalise with their own pixel mean/std."""

@@ -119,7 +119,9 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
         source = f"{cfg.weights} (a vse-detector checkpoint)"
         _conflict("regions.architecture", cfg.architecture, obj["config"]["architecture"], source)
         _conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, source)
-        return model_from_checkpoint(obj, overrides).eval()
+        model = model_from_checkpoint(obj, overrides)
+        model.architecture = obj["config"]["architecture"]
+        return model.eval()
     arch = cfg.architecture or DEFAULT_DETECTOR
     num_classes = cfg.num_classes
     if kind == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
@@ -128,6 +130,7 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
         num_classes = found
     spec = DetectorConfig(architecture=arch, **overrides)
     model = build_detector_model(spec, num_classes or DEFAULT_CLASSES)
+    model.architecture = arch
     what = f"the regions detector ({arch})"
     if obj is None:
         _warn_random("regions", cfg.seed)
@@ -314,7 +317,8 @@ class RegionExtractor:
 
     @property
     def name(self) -> str:
-        return f"regions-{self.cfg.backend}-{self.cfg.architecture}"
+        architecture = getattr(self.model, "architecture", self.cfg.architecture)
+        return f"regions-{self.cfg.backend}-{architecture}"
 
     def fields(self) -> dict[str, FieldSpec]:
         r = self.width
@@ -441,7 +445,7 @@ class GridExtractor:
 
     @property
     def name(self) -> str:
-        return f"grid-{self.cfg.architecture}"
+        return f"grid-{getattr(self.model, 'architecture', self.cfg.architecture)}"
 
     def fields(self) -> dict[str, FieldSpec]:
         g = self.cfg.grid
