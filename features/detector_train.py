@@ -111,8 +111,10 @@ class DetectionItems(Dataset):
         if flip:
             tensor = tensor.flip(2)
             boxes = torch.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], 1)
-        labels = torch.tensor([self.class_index.get(n, 0) for n in record.names])
-        known = labels > 0  # names outside the class list (not in train) are not trained on
+        labels = torch.tensor([self.class_index.get(n, 0) for n in record.names], dtype=torch.long)
+        # names outside the class list are not trained on; nor are boxes that clipping to
+        # the image left empty
+        known = (labels > 0) & (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
         target = {"boxes": boxes[known], "labels": labels[known]}
         if self.attributes:
             attrs = record.attributes or [[] for _ in record.names]

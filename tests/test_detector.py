@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from features.demo import DemoConfig, build_dataset
 from features.detection_data import (
     DetectionDataError,
+    DetectionImage,
     read_coco,
     read_manifest_boxes,
     read_visual_genome,
 )
 from features.detector import attribute_loss, build_detector_model
 from features.detector_train import (
+    DetectionItems,
     DetectorTrainingError,
     attribute_targets,
     average_precision,
@@ -215,6 +217,27 @@ def test_visual_genome_reader(tmp_path):
     assert first.attributes == [["tall", "smiling"], []]
     assert vg.images[1].path == "VG_100K_2/2.jpg" and vg.images[1].attributes == [["tall"]]
     assert vg.dropped == {"degenerate_boxes": 1, "rare_class_boxes": 1}
+
+
+def test_items_are_resized_flipped_and_drop_what_cannot_train(demo):
+    root, _, data = demo
+    image = data.images[0]
+    odd = DetectionImage(
+        image.key,
+        image.path,
+        "train",
+        [[10.0, 10.0, 30.0, 20.0], [70.0, 5.0, 90.0, 9.0], [1.0, 1.0, 5.0, 5.0]],
+        [data.classes[0], data.classes[1], "not a class"],
+        [["red"], ["blue"], []],
+    )
+    cfg = TINY.model_copy(update={"min_side": 128, "max_side": 128})  # 64px images, x2
+    items = DetectionItems([odd], root / "images", cfg, data.classes, data.attributes)
+    plain = items[(0, False)]["target"]
+    assert plain["boxes"].tolist() == [[20.0, 20.0, 60.0, 40.0]]  # outside / unknown: gone
+    assert plain["labels"].tolist() == [1] and plain["attributes"].shape == (1, 9)
+    flipped = items[(0, True)]
+    assert flipped["target"]["boxes"].tolist() == [[68.0, 20.0, 108.0, 40.0]]
+    assert torch.equal(flipped["image"], items[(0, False)]["image"].flip(2))
 
 
 # --------------------------------------------------------------------------- model

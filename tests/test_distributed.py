@@ -159,9 +159,7 @@ def demo(tmp_path_factory):
 def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
     from flows.distributed import ExtractJob, run_distributed
 
-    cfg = GridConfig(
-        architecture="resnet50", image_size=64, grid=3, stages=1, batch_size=2, num_workers=1
-    )
+    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=1)
     manifest = read_manifest(demo / "manifest.parquet")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in each single-threaded Dask worker
