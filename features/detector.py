@@ -129,8 +129,40 @@ class PyramidLevels(nn.Module):
         self.levels = levels
 
     def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
-        maps = self.fpn(self.body(x))
+        return self.select(self.fpn(self.body(x)))
+
+    def select(self, maps: OrderedDict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
         return OrderedDict((k, v) for i, (k, v) in enumerate(maps.items()) if i < self.levels)
+
+
+def backbone_with_conv5(model: nn.Module, x: torch.Tensor):
+    """The detector's feature maps and, for FPN models, the trunk's conv5 map (B, D, h, w)
+    (``None`` for C4 models, whose res5 is the box head)."""
+    backbone = model.backbone
+    if not hasattr(backbone, "fpn"):
+        return {"0": backbone(x)}, None
+    stages = backbone.body(x)
+    maps = backbone.fpn(stages)
+    if isinstance(backbone, PyramidLevels):
+        maps = backbone.select(maps)
+    return maps, next(reversed(stages.values()))
+
+
+class ImageHead(nn.Module):
+    """Which object classes and attributes an image contains, from its pooled conv5: a
+    linear multi-label classifier (sigmoid outputs). Not part of Anderson et al.: there the
+    trunk comes from ImageNet classification, which is what makes its pooled conv5 a
+    global image descriptor (VSE++, HUSE); a trunk trained from scratch on boxes through an
+    FPN gets conv5 gradients only via the top-down pathway. This image-level loss stands in
+    for that pretraining (``detector.image_loss_weight``; 0, the paper's set-up, builds no
+    head)."""
+
+    def __init__(self, dim: int, outputs: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, outputs)
+
+    def forward(self, conv5: torch.Tensor) -> torch.Tensor:  # (B, D, h, w) -> (B, outputs)
+        return self.fc(conv5.mean(dim=(2, 3)))
 
 
 class AttributeHead(nn.Module):
@@ -270,7 +302,21 @@ def build_detector_model(
             dim, num_classes, num_attributes, cfg.class_embedding, cfg.attribute_hidden
         )
     _to_bottom_up(model.roi_heads, attr)
+    if cfg.image_loss_weight > 0:
+        trunk_dim = stage_dims(resnet_depth(arch))[3]
+        model.image_head = ImageHead(trunk_dim, num_classes - 1 + num_attributes)
     return model
+
+
+def image_loss(logits: torch.Tensor, targets: list[dict], num_classes: int) -> torch.Tensor:
+    """Binary cross-entropy of :class:`ImageHead` logits (B, C-1 + A) against the classes
+    (labels 1..C-1) and attributes of each image's ground-truth boxes."""
+    wanted = torch.zeros_like(logits)
+    for row, target in zip(wanted, targets, strict=True):
+        row[target["labels"] - 1] = 1.0
+        if "attributes" in target and len(target["attributes"]):
+            row[num_classes - 1 :] = (target["attributes"][:, 1:] > 0).any(dim=0).to(row.dtype)
+    return F.binary_cross_entropy_with_logits(logits, wanted)
 
 
 def detector_checkpoint(

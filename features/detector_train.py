@@ -2,7 +2,9 @@
 
 Training is Faster R-CNN's approximate joint training (Ren et al. 2015, sec. 3.2): one
 loss, the sum of the RPN objectness and box terms, the head's classification and box
-terms, and ``attribute_weight`` x the attribute term (Anderson et al. 2018). Images are
+terms, and ``attribute_weight`` x the attribute term (Anderson et al. 2018); with
+``image_loss_weight`` also that x an image-level multi-label term on the trunk's pooled
+conv5 (not in the paper; see :class:`features.detector.ImageHead`). Images are
 resized as the ``regions`` stage resizes them (shorter side ``min_side``, longer at most
 ``max_side``) and normalised alike, so the trained detector sees at extraction what it saw
 in training. Optimiser: SGD with momentum or AdamW; linear warm-up, then step decay or a
@@ -45,7 +47,12 @@ from torchvision.ops import box_iou
 
 from features.config import UserError
 from features.detection_data import DetectionDataset, DetectionImage
-from features.detector import build_detector_model, detector_checkpoint
+from features.detector import (
+    backbone_with_conv5,
+    build_detector_model,
+    detector_checkpoint,
+    image_loss,
+)
 from features.images import BadImage, load_image
 from features.visual import batch_images, resize_for_detection, resolve_device, to_tensor
 from features.visual_config import DetectorConfig
@@ -174,8 +181,8 @@ def _initialise(model: nn.Module, cfg: DetectorConfig, log: Callable[[str], None
     elif kind in ("detection", "vse-detector"):
         state = obj["state_dict"] if kind == "vse-detector" else obj
         own = model.state_dict()
-        heads = ("roi_heads.box_predictor.", "roi_heads.attribute_head.")
-        # a predictor (or attribute head) for another class list stays random
+        heads = ("roi_heads.box_predictor.", "roi_heads.attribute_head.", "image_head.")
+        # a predictor (attribute head, image head) for another class list stays random
         fresh = {
             k: v
             for k, v in own.items()
@@ -231,12 +238,14 @@ def _lr_factor(cfg: DetectorConfig, steps_per_epoch: int) -> Callable[[int], flo
 def _losses(model: nn.Module, images: list[torch.Tensor], targets: list[dict], cfg) -> dict:
     """One forward pass of the detector in training mode: the loss terms."""
     batch = batch_images(images)
-    features = model.backbone(batch.tensors)
-    if not isinstance(features, dict):
-        features = {"0": features}
+    features, conv5 = backbone_with_conv5(model, batch.tensors)
     proposals, rpn_losses = model.rpn(batch, features, targets)
     _, head_losses = model.roi_heads(features, proposals, batch.image_sizes, targets)
-    return {**rpn_losses, **head_losses}
+    losses = {**rpn_losses, **head_losses}
+    if getattr(model, "image_head", None) is not None:
+        num_classes = model.roi_heads.box_predictor.cls_score.out_features
+        losses["loss_image"] = image_loss(model.image_head(conv5), targets, num_classes)
+    return losses
 
 
 # --------------------------------------------------------------------------- training
@@ -333,7 +342,7 @@ def _train(
         log(f"detector: --resume, but no {last_path} yet: starting from scratch")
 
     items = DetectionItems(train_images, images_root, cfg, classes, attributes)
-    weights = {"loss_attribute": cfg.attribute_weight}
+    weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
     skipped: set[int] = set()
     log(
         f"detector: {cfg.architecture}, {len(classes)} classes, {len(attributes)} attributes; "

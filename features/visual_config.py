@@ -127,6 +127,9 @@ class DetectorConfig(Section):
     lr_decay: float = Field(0.1, gt=0.0)
     grad_clip: float = Field(10.0, gt=0.0)
     attribute_weight: float = Field(0.5, ge=0.0)  # weight of the attribute loss
+    # image-level multi-label loss on the trunk's pooled conv5 (FPN only; not in the paper:
+    # stands in for ImageNet pretraining when a trunk is trained from scratch; 0: none)
+    image_loss_weight: float = Field(0.0, ge=0.0)
     hflip: bool = True  # random horizontal flips (seeded by epoch and image)
     trainable_layers: int = Field(3, ge=0, le=5)  # ResNet stages trained (5: all, with bn1)
     freeze_bn: bool = True  # BatchNorm statistics and affine frozen (pretrained trunks)
@@ -153,6 +156,8 @@ class DetectorConfig(Section):
 
     @model_validator(mode="after")
     def _anchors(self) -> DetectorConfig:
+        if self.is_c4 and self.image_loss_weight > 0:
+            raise ValueError("image_loss_weight needs an FPN architecture (C4: res5 is the head)")
         if not self.is_c4 and len(self.anchors()) % self.fpn_levels:
             raise ValueError(
                 f"anchor_sizes ({len(self.anchors())}) must split evenly over fpn_levels "

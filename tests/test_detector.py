@@ -283,6 +283,33 @@ def test_training_forward_has_the_attribute_term(demo):
     assert torch.isfinite(losses["loss_attribute"])
 
 
+def test_image_head_learns_which_classes_and_attributes_an_image_has(demo):
+    """The demo's stand-in for ImageNet pretraining: multi-label BCE on pooled conv5."""
+    from features.detector_train import _losses
+
+    root, _, data = demo
+    cfg = TINY.model_copy(update={"image_loss_weight": 1.0})
+    torch.manual_seed(0)
+    model = build_detector_model(cfg, len(data.classes) + 1, len(data.attributes)).train()
+    items = DetectionItems(data.split("train"), root / "images", cfg, data.classes, data.attributes)
+    batch = [items[(i, False)] for i in range(2)]
+    targets = [b["target"] for b in batch]
+    losses = _losses(model, [b["image"] for b in batch], targets, cfg)
+    conv5 = model.backbone.body(torch.stack([b["image"] for b in batch]))["3"]
+    logits = model.image_head(conv5)  # (2, classes + attributes)
+    wanted = torch.zeros_like(logits)
+    for row, record in zip(wanted, data.split("train")[:2], strict=True):
+        for name, attrs in zip(record.names, record.attributes, strict=True):
+            row[data.classes.index(name)] = 1
+            for a in attrs:
+                row[len(data.classes) + data.attributes.index(a)] = 1
+    torch.testing.assert_close(
+        losses["loss_image"], F.binary_cross_entropy_with_logits(logits, wanted)
+    )
+    with pytest.raises(ValueError, match="image_loss_weight needs an FPN"):
+        DetectorConfig(architecture="resnet18_c4", image_loss_weight=1.0)
+
+
 # --------------------------------------------------------------------------- training
 
 
