@@ -149,8 +149,8 @@ def backbone_with_conv5(model: nn.Module, x: torch.Tensor):
 
 
 class ImageHead(nn.Module):
-    """Which object classes and attributes an image contains, from its pooled conv5: a
-    linear multi-label classifier (sigmoid outputs). Not part of Anderson et al.: there the
+    """How much of an image each object class covers and which attributes it has, from its
+    pooled conv5 (a linear layer; :func:`image_loss`). Not part of Anderson et al.: there the
     trunk comes from ImageNet classification, which is what makes its pooled conv5 a
     global image descriptor (VSE++, HUSE); a trunk trained from scratch on boxes through an
     FPN gets conv5 gradients only via the top-down pathway. This image-level loss stands in
@@ -309,14 +309,24 @@ def build_detector_model(
 
 
 def image_loss(logits: torch.Tensor, targets: list[dict], num_classes: int) -> torch.Tensor:
-    """Binary cross-entropy of :class:`ImageHead` logits (B, C-1 + A) against the classes
-    (labels 1..C-1) and attributes of each image's ground-truth boxes."""
-    wanted = torch.zeros_like(logits)
-    for row, target in zip(wanted, targets, strict=True):
-        row[target["labels"] - 1] = 1.0
-        if "attributes" in target and len(target["attributes"]):
-            row[num_classes - 1 :] = (target["attributes"][:, 1:] > 0).any(dim=0).to(row.dtype)
-    return F.binary_cross_entropy_with_logits(logits, wanted)
+    """The :class:`ImageHead` loss on logits (B, C-1 + A): how much of each image every
+    object class covers, as a softmax cross-entropy against the box-area-weighted class
+    distribution (the multi-object analogue of the one ImageNet label of an image), plus
+    which attributes its objects have, as binary cross-entropy."""
+    c = num_classes - 1
+    cover = torch.zeros_like(logits[:, :c])  # (B, C-1)
+    present = torch.zeros_like(logits[:, c:])  # (B, A)
+    for i, target in enumerate(targets):
+        boxes = target["boxes"]
+        area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        cover[i].index_add_(0, target["labels"] - 1, area.to(cover.dtype))
+        cover[i] /= cover[i].sum().clamp_min(1e-9)
+        if present.shape[1] and len(target.get("attributes", ())):
+            present[i] = (target["attributes"][:, 1:] > 0).any(dim=0).to(present.dtype)
+    loss = -(cover * F.log_softmax(logits[:, :c], dim=1)).sum(dim=1).mean()
+    if present.shape[1]:
+        loss = loss + F.binary_cross_entropy_with_logits(logits[:, c:], present)
+    return loss
 
 
 def detector_checkpoint(

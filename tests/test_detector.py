@@ -283,8 +283,9 @@ def test_training_forward_has_the_attribute_term(demo):
     assert torch.isfinite(losses["loss_attribute"])
 
 
-def test_image_head_learns_which_classes_and_attributes_an_image_has(demo):
-    """The demo's stand-in for ImageNet pretraining: multi-label BCE on pooled conv5."""
+def test_image_head_learns_class_cover_and_attributes(demo):
+    """The demo's stand-in for ImageNet pretraining, on pooled conv5: softmax
+    cross-entropy against the area-weighted class distribution, BCE on attributes."""
     from features.detector_train import _losses
 
     root, _, data = demo
@@ -293,19 +294,20 @@ def test_image_head_learns_which_classes_and_attributes_an_image_has(demo):
     model = build_detector_model(cfg, len(data.classes) + 1, len(data.attributes)).train()
     items = DetectionItems(data.split("train"), root / "images", cfg, data.classes, data.attributes)
     batch = [items[(i, False)] for i in range(2)]
-    targets = [b["target"] for b in batch]
-    losses = _losses(model, [b["image"] for b in batch], targets, cfg)
+    losses = _losses(model, [b["image"] for b in batch], [b["target"] for b in batch], cfg)
     conv5 = model.backbone.body(torch.stack([b["image"] for b in batch]))["3"]
     logits = model.image_head(conv5)  # (2, classes + attributes)
-    wanted = torch.zeros_like(logits)
-    for row, record in zip(wanted, data.split("train")[:2], strict=True):
-        for name, attrs in zip(record.names, record.attributes, strict=True):
-            row[data.classes.index(name)] = 1
+    n = len(data.classes)
+    cover, present = torch.zeros(2, n), torch.zeros(2, len(data.attributes))
+    for i, record in enumerate(data.split("train")[:2]):
+        for box, name, attrs in zip(record.boxes, record.names, record.attributes, strict=True):
+            cover[i, data.classes.index(name)] += (box[2] - box[0]) * (box[3] - box[1])
             for a in attrs:
-                row[len(data.classes) + data.attributes.index(a)] = 1
-    torch.testing.assert_close(
-        losses["loss_image"], F.binary_cross_entropy_with_logits(logits, wanted)
-    )
+                present[i, data.attributes.index(a)] = 1
+    cover /= cover.sum(dim=1, keepdim=True)
+    expected = -(cover * F.log_softmax(logits[:, :n], dim=1)).sum(1).mean()
+    expected = expected + F.binary_cross_entropy_with_logits(logits[:, n:], present)
+    torch.testing.assert_close(losses["loss_image"], expected)
     with pytest.raises(ValueError, match="image_loss_weight needs an FPN"):
         DetectorConfig(architecture="resnet18_c4", image_loss_weight=1.0)
 
