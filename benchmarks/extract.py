@@ -1,11 +1,19 @@
-"""Throughput of the extraction stages against a bare model forward, in one run.
+"""Throughput of the extraction stages against a bare model forward, in one run, and of
+the bottom-up-attention region selection against the reference per-class loop.
 
 For each extractor: (a) the whole stage (`extract_images`: decode and resize in a
 DataLoader worker, batched inference, store writes) on demo images, and (b) the bare
 forward pass of the same extractor on the same images decoded and prepared beforehand.
-Target (issue 4): the stage reaches >= 0.9x of the bare forward on CPU.
+Target (issue 4): the stage reaches >= 0.9x of the bare forward on CPU. The detector row
+runs the torchvision path (RPN, box head, BUTD selection) of a `vse-detector` checkpoint:
+`--detector data/models/detector/detector.pt`, or a random-init one of the demo's
+architecture (params.yaml `detector`).
 
-    python benchmarks/extract.py [--n 192] [--size 128] [--workers 1]
+Selection (issue 13): `butd_select` against generate_tsv.py's loop (one torchvision `nms`
+per class) on 300 proposals x 1601 classes, with peaked (detector-like) and flat softmax
+scores; the same inputs, in the same run; target >= 10x.
+
+    python benchmarks/extract.py [--n 192] [--size 128] [--workers 1] [--detector CKPT]
 """
 
 from __future__ import annotations
@@ -18,14 +26,23 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
+from torchvision.ops import nms
 
 from features.demo import DemoConfig, build_dataset
+from features.detector import build_detector_model, detector_checkpoint
 from features.extract import extract_images
 from features.images import load_image
 from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
 from features.store import StoreConfig
-from features.visual import GridExtractor, RegionExtractor, build_detector, build_trunk
-from features.visual_config import GridConfig, RegionsConfig
+from features.visual import (
+    GridExtractor,
+    RegionExtractor,
+    build_detector,
+    build_trunk,
+    butd_select,
+)
+from features.visual_config import DetectorConfig, GridConfig, RegionsConfig
 
 
 def bare_forward(extractor, items: list[dict], batch_size: int) -> float:
@@ -39,12 +56,77 @@ def bare_forward(extractor, items: list[dict], batch_size: int) -> float:
     return best
 
 
+def loop_select(boxes: torch.Tensor, scores: torch.Tensor, cfg: RegionsConfig):
+    """generate_tsv.py's selection: one NMS per class over all proposals."""
+    max_conf = torch.zeros(len(boxes))
+    for c in range(1, scores.shape[1]):
+        keep = nms(boxes, scores[:, c], cfg.nms_iou)
+        max_conf[keep] = torch.maximum(max_conf[keep], scores[keep, c])
+    n_keep = int((max_conf >= cfg.conf_threshold).sum())
+    n_keep = min(max(n_keep, cfg.min_boxes), cfg.max_boxes, len(boxes))
+    return torch.argsort(max_conf, descending=True, stable=True)[:n_keep]
+
+
+def selection_rows(repeats: int = 5) -> None:
+    """ms per image of the loop and of butd_select on the same 300 x 1601 inputs."""
+    cfg = RegionsConfig()  # the paper's: 0.2 threshold, NMS 0.3, 10..100 boxes
+    gen = torch.Generator().manual_seed(0)
+    print(f"\n{'selection, 300 proposals x 1601 classes':<44}{'loop ms':>9}{'fast ms':>9}{'x':>7}")
+    for name, temperature in (("peaked scores (detector-like)", 6.0), ("flat scores", 1.0)):
+        inputs = []
+        for _ in range(repeats):
+            xy = torch.rand(300, 2, generator=gen) * 500
+            boxes = torch.cat([xy, xy + torch.rand(300, 2, generator=gen) * 300 + 8], dim=1)
+            logits = torch.randn(300, 1601, generator=gen) * temperature
+            inputs.append((boxes, logits.softmax(dim=1)))
+        timings = {}
+        for label, fn in (("loop", loop_select), ("fast", butd_select)):
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                for boxes, scores in inputs:
+                    fn(boxes, scores, cfg)
+                best = min(best, (time.perf_counter() - start) / repeats)
+            timings[label] = best * 1000
+        for boxes, scores in inputs:
+            assert (
+                butd_select(boxes, scores, cfg)[0].tolist()
+                == loop_select(boxes, scores, cfg).tolist()
+            )
+        ratio = timings["loop"] / timings["fast"]
+        print(f"{name:<44}{timings['loop']:>9.1f}{timings['fast']:>9.1f}{ratio:>7.1f}")
+
+
+def demo_detector(path: str | None, root: Path) -> str:
+    """A vse-detector checkpoint: the given one, or a random-init one of the demo's
+    architecture (params.yaml `detector`; 6 classes, 8 attributes)."""
+    if path:
+        return path
+    section = yaml.safe_load(Path("params.yaml").read_text()).get("detector", {})
+    cfg = DetectorConfig.model_validate(section)
+    torch.manual_seed(0)
+    model = build_detector_model(cfg, 7, 8)
+    classes = [f"class{i}" for i in range(6)]
+    attributes = [f"attribute{i}" for i in range(8)]
+    torch.save(detector_checkpoint(model, cfg, classes, attributes), root / "detector.pt")
+    return str(root / "detector.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=192, help="images")
     parser.add_argument("--size", type=int, default=128, help="demo image size (px)")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
+    parser.add_argument("--detector", help="vse-detector checkpoint (default: random init)")
+    parser.add_argument("--only", choices=["stages", "selection"], help="run one part")
     args = parser.parse_args()
+    if args.only != "selection":
+        stage_rows(args)
+    if args.only != "stages":
+        selection_rows()
+
+
+def stage_rows(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*RANDOM initialisation")
     root = Path(tempfile.mkdtemp(prefix="vse-extract-bench-"))
     build_dataset(DemoConfig(n_train=args.n, n_val=1, n_test=1, image_size=args.size), root)
@@ -56,7 +138,22 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layout = StoreConfig(samples_per_shard=64, samples_per_chunk=16)
     side = args.size
+    detector = demo_detector(args.detector, root)
     setups = {
+        "regions (detector: RPN+head+selection)": (
+            RegionsConfig(
+                backend="torchvision",
+                weights=detector,
+                min_side=side,
+                max_side=side,
+                proposals=100,
+                min_boxes=2,
+                max_boxes=10,
+                batch_size=8,
+                num_workers=args.workers,
+            ),
+            lambda cfg: RegionExtractor(build_detector(cfg), cfg, device),
+        ),
         "regions (given boxes, resnet50_c4)": (
             RegionsConfig(
                 backend="given",
@@ -68,6 +165,10 @@ def main() -> None:
                 num_workers=args.workers,
             ),
             lambda cfg: RegionExtractor(build_detector(cfg), cfg, device),
+        ),
+        "grid (the detector's resnet18 trunk)": (
+            GridConfig(weights=detector, image_size=side, batch_size=16, num_workers=args.workers),
+            lambda cfg: GridExtractor(build_trunk(cfg), cfg, device),
         ),
         "grid (resnet50)": (
             GridConfig(

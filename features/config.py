@@ -42,8 +42,7 @@ def require_extra(module: str, extra: str, feature: str):
         return importlib.import_module(module)
     except ImportError:
         raise UserError(
-            f"{feature} needs the [{extra}] extra: pip install -e '.[{extra}]' in the "
-            "repository"
+            f"{feature} needs the [{extra}] extra: pip install -e '.[{extra}]' in the repository"
         ) from None
 
 

@@ -16,26 +16,35 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from features.config import UserError
 from features.visual import RegionExtractor, batch_images, resize_for_detection
 from features.visual_config import RegionsConfig
 
 
 def build_detectron2_extractor(cfg: RegionsConfig, device: torch.device) -> RegionExtractor:
+    """The detectron2 model of ``cfg``; its checks come before the import, so they hold
+    (and are tested) where detectron2 is absent."""
+    if not cfg.detectron2_config or not cfg.weights:
+        raise UserError(
+            "regions.backend detectron2 needs regions.detectron2_config (a YAML config) and "
+            "regions.weights (a local checkpoint)"
+        )
+    if cfg.weights.endswith(".pkl") and not cfg.allow_pickle_weights:
+        raise UserError(
+            f"regions.weights {cfg.weights}: a .pkl checkpoint is a pickle, which can run code "
+            "when loaded; convert it to .pth, or set regions.allow_pickle_weights: true if "
+            "you trust its source"
+        )
     try:
         from detectron2.checkpoint import DetectionCheckpointer
         from detectron2.config import get_cfg
         from detectron2.modeling import build_model
     except ImportError:
-        raise RuntimeError(
+        raise UserError(
             "regions.backend is detectron2, but detectron2 is not installed: install it from "
             "source (pip install 'git+https://github.com/facebookresearch/detectron2.git') "
             "or set regions.backend: torchvision"
         ) from None
-    if not cfg.detectron2_config or not cfg.weights:
-        raise RuntimeError(
-            "regions.backend detectron2 needs regions.detectron2_config (a YAML config) and "
-            "regions.weights (a local checkpoint)"
-        )
     d2cfg = get_cfg()
     d2cfg.merge_from_file(cfg.detectron2_config)
     d2cfg.MODEL.DEVICE = device.type
@@ -56,7 +65,9 @@ class Detectron2RegionExtractor(RegionExtractor):
 
     @property
     def name(self) -> str:
-        return f"regions-detectron2-{self.cfg.architecture}"
+        from pathlib import Path
+
+        return f"regions-detectron2-{Path(self.cfg.detectron2_config or 'model').stem}"
 
     def prepare(self, image, row):
         """detectron2 models take BGR 0..255 and normalise with their own pixel mean/std."""

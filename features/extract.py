@@ -28,12 +28,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from features.device import resolve_device
 from features.finite import NON_FINITE, nonfinite_fields
 from features.images import MAX_ASPECT_RATIO, BadImage, load_image
 from features.ingest import Manifest
 from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter
-from features.visual import EXTRACTOR_VERSION, weights_digest
+from features.visual import EXTRACTOR_VERSION
 from features.visual_config import ExtractConfig
+from features.weights import weights_digest
 
 
 class Extractor(Protocol):
@@ -85,7 +87,7 @@ def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
     """The extractor of image stage ``kind`` ("regions" or "grid") from its params."""
     from features import visual
 
-    device = visual.resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     if kind == "grid":
         return visual.GridExtractor(visual.build_trunk(cfg), cfg, device)
     if cfg.backend == "detectron2":
@@ -133,7 +135,7 @@ def image_store_writer(
         extractor.name,
         EXTRACTOR_VERSION,
         extractor.provenance_params(),
-        weights_digest(cfg.weights, cfg.seed),
+        weights_digest(cfg.weights, cfg.seed, f"{extractor.kind}.weights"),
         manifest.digest,
     )
     keys = manifest.table["key"].to_pylist()
@@ -175,8 +177,7 @@ def extract_images(
                 images_root,
                 extractor.prepare,
                 cfg.max_pixels,
-                # a field of the stage's params once ExtractConfig has it
-                getattr(cfg, "max_aspect_ratio", MAX_ASPECT_RATIO),
+                cfg.max_aspect_ratio,
             ),
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
@@ -246,11 +247,13 @@ def report_bad_images(
     errors: Path,
     metrics: Path,
     max_error_fraction: float,
+    extra: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """The errors CSV and metrics JSON of an image stage, from the notes the store's
     shards keep (so a resumed run reports every bad image); too many fail the stage.
-    The metrics hold counts only: DVC hashes them, so nothing depends on run time."""
+    ``extra`` joins the metrics (e.g. :func:`region_recall`). The metrics hold counts
+    only: DVC hashes them, so nothing depends on run time."""
     from features.files import write_json
     from features.ingest import IngestError, Report, write_errors
 
@@ -268,6 +271,7 @@ def report_bad_images(
         "bad_images": len(report.errors),
         "error_fraction": round(report.error_fraction, 6),
         "counts": counts,
+        **(extra or {}),
     }
     write_json(metrics, summary)
     listing = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
@@ -278,3 +282,42 @@ def report_bad_images(
             f"used, more than max_error_fraction = {max_error_fraction:.2%}; see {errors}"
         )
     return summary
+
+
+def region_recall(store_path: Path, manifest: Manifest, iou: float = 0.5) -> dict | None:
+    """How well a regions store covers the manifest's ground-truth boxes, or ``None`` when
+    the manifest has none: per split and overall, the share of ground-truth boxes that a
+    kept region overlaps with IoU >= ``iou`` (``gt_recall``) and the mean number of kept
+    regions per image (``regions_per_image``), over the images extracted (``valid``)."""
+    from torchvision.ops import box_iou
+
+    truth = manifest.table["boxes"].to_pylist()
+    if not any(truth):
+        return None
+    store = Store.open(store_path, kind="regions", manifest_digest=manifest.digest)
+    data = store.read(0, len(store), ["boxes", "n_regions", "valid"])
+    splits = manifest.table["split"].to_pylist()
+    counts: dict[str, list[int]] = {}  # split -> [images, regions, gt boxes, gt found]
+    for i, gt in enumerate(truth):
+        if not data["valid"][i]:
+            continue
+        n = int(data["n_regions"][i])
+        found = 0
+        if gt and n:
+            overlaps = box_iou(torch.tensor(gt), torch.from_numpy(data["boxes"][i, :n]))
+            found = int((overlaps.max(dim=1).values >= iou).sum())
+        for key in (splits[i], "all"):
+            c = counts.setdefault(key, [0, 0, 0, 0])
+            c[0] += 1
+            c[1] += n
+            c[2] += len(gt or [])
+            c[3] += found
+    return {
+        split: {
+            "images": c[0],
+            "regions_per_image": round(c[1] / max(c[0], 1), 4),
+            "gt_boxes": c[2],
+            "gt_recall": round(c[3] / max(c[2], 1), 4),
+        }
+        for split, c in sorted(counts.items())
+    }

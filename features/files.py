@@ -106,3 +106,13 @@ def write_text(path: str | Path, text: str) -> None:
 def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
     """Write ``data`` as JSON, atomically; the same data gives the same bytes."""
     write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def save_torch(obj: Any, path: str | Path) -> None:
+    """``torch.save`` atomically, with the same bytes for the same object: saved through a
+    file object, since given a path torch names the archive's folder after the file (the
+    temporary one here, a new name each time)."""
+    import torch
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)

@@ -9,7 +9,8 @@ Readers turn each supported layout into :class:`Record` s:
   CSVs of ``image name, text, class`` named after their split (``train_titles.csv``); a
   seeded, hash-based part of train is held out as val, since the dataset has none.
 - ``demo``: the synthetic demo dataset (:mod:`features.demo`), which is Karpathy JSON plus
-  class labels and ground-truth boxes.
+  class labels, ground-truth boxes with names (the shapes) and, per box, its attributes
+  (colour and size, from ``objects``): the boxes a detector trains on.
 
 :func:`validate` checks every record and never aborts: problems go to an error list
 (key, reason, detail) with counts, and :func:`error_fraction` lets the entry point fail
@@ -42,7 +43,7 @@ from pydantic import Field
 
 from features.config import Section, Seed, UserError
 
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2  # 2: box_attributes (version 1 reads as all-null)
 SPLITS = ("train", "val", "test")
 KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
@@ -61,6 +62,7 @@ ERRORS = (
     "bad_label",
     "bad_boxes",
     "bad_box_names",
+    "bad_box_attributes",
 )
 # ... and reasons that are only reported: the record is kept as it is.
 WARNINGS = ("caption_count",)
@@ -94,6 +96,7 @@ class Record:
     label: int | None = None
     boxes: list | None = None
     box_names: list | None = None
+    box_attributes: list | None = None  # one list of attribute names per box
     problem: str | None = None  # set by a reader that could not parse the record
 
 
@@ -159,7 +162,8 @@ def _read_text(path: Path) -> str:
 
 
 def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
-    """Karpathy split JSON, plus the demo's optional ``label``/``boxes``/``box_names``."""
+    """Karpathy split JSON, plus the optional ``label``/``boxes``/``box_names``/
+    ``box_attributes`` of datasets with boxes."""
     try:
         data = json.loads(_read_text(annotations))
     except json.JSONDecodeError as err:
@@ -204,6 +208,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
                 label=image.get("label"),
                 boxes=image.get("boxes"),
                 box_names=image.get("box_names"),
+                box_attributes=image.get("box_attributes"),
             )
         )
     name = str(data.get("dataset", "karpathy"))
@@ -274,9 +279,26 @@ def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfi
     return rows
 
 
+def read_demo(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """The demo's Karpathy JSON; each box's attributes are its object's colour and size."""
+    dataset = read_karpathy(annotations, images_root, cfg)
+    objects = {}
+    data = json.loads(_read_text(annotations))
+    for image in data["images"]:
+        if isinstance(image, dict) and isinstance(image.get("filename"), str):
+            objects[Path(image["filename"]).stem] = image.get("objects")
+    for record in dataset.records:
+        described = objects.get(record.key)
+        if record.problem is None and isinstance(described, list) and record.box_attributes is None:
+            record.box_attributes = [
+                [o.get("color"), o.get("size")] if isinstance(o, dict) else None for o in described
+            ]
+    return dataset
+
+
 READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
     "karpathy": read_karpathy,
-    "demo": read_karpathy,  # the demo dataset is Karpathy JSON with extras
+    "demo": read_demo,
     "food101": read_food101,
 }
 
@@ -399,6 +421,21 @@ def check_box_names(names, boxes) -> str | None:
     return None
 
 
+def check_box_attributes(attributes, boxes) -> str | None:
+    """What is wrong with optional box attributes, or None: one list of strings per box."""
+    if attributes is None:
+        return None
+    if not isinstance(attributes, list) or not all(
+        isinstance(a, list) and all(isinstance(v, str) and _is_utf8(v) for v in a)
+        for a in attributes
+    ):
+        return f"box_attributes is {str(attributes)[:60]!r}, not one list of strings per box"
+    if not isinstance(boxes, list) or len(attributes) != len(boxes):
+        count = len(boxes) if isinstance(boxes, list) else "no"
+        return f"{len(attributes)} box_attributes for {count} boxes"
+    return None
+
+
 def check_key(key) -> str | None:
     """What is wrong with an image key, or None: caption keys are ``<key>#<i>``."""
     if not isinstance(key, str) or not key.strip() or not _is_utf8(key):
@@ -467,6 +504,7 @@ def validate(
             ("bad_label", check_label(record.label, dataset.class_names)),
             ("bad_boxes", check_boxes(record.boxes)),
             ("bad_box_names", check_box_names(record.box_names, record.boxes)),
+            ("bad_box_attributes", check_box_attributes(record.box_attributes, record.boxes)),
         ]
         for field_reason, field_detail in fields:
             if field_detail:
@@ -501,9 +539,13 @@ MANIFEST_SCHEMA = pa.schema(
         ("label", pa.int32()),
         ("boxes", pa.list_(pa.list_(pa.float32(), 4))),
         ("box_names", pa.list_(pa.string())),
+        ("box_attributes", pa.list_(pa.list_(pa.string()))),
     ]
 )
 MANIFEST_COLUMNS = MANIFEST_SCHEMA.names
+# Columns added after version 1: left out of the digest when null, so datasets without
+# them keep their digest (and their feature stores stay valid).
+NEWER_COLUMNS = ("box_attributes",)
 
 
 def manifest_digest(records: list[Record], class_names: list[str] | None) -> str:
@@ -511,7 +553,11 @@ def manifest_digest(records: list[Record], class_names: list[str] | None) -> str
     h = hashlib.sha256()
     h.update(json.dumps(class_names).encode())
     for r in records:
-        row = {c: getattr(r, c) for c in MANIFEST_COLUMNS}
+        row = {
+            c: getattr(r, c)
+            for c in MANIFEST_COLUMNS
+            if c not in NEWER_COLUMNS or getattr(r, c) is not None
+        }
         h.update(json.dumps(row, sort_keys=True, separators=(",", ":")).encode())
         h.update(b"\n")
     return h.hexdigest()
@@ -580,11 +626,15 @@ def read_manifest(path: Path) -> Manifest:
         version = meta.get("schema_version")
     except (ValueError, AttributeError):
         raise IngestError(f"{path}: damaged manifest metadata; rerun `vse prepare`") from None
-    if version != MANIFEST_SCHEMA_VERSION:
+    if version not in (1, MANIFEST_SCHEMA_VERSION):
         raise IngestError(
             f"{path}: manifest schema version {version}, this code reads "
             f"{MANIFEST_SCHEMA_VERSION}; rerun `vse prepare` (dvc repro prepare)"
         )
+    for name in NEWER_COLUMNS:  # a version-1 manifest: the column is all null
+        if name not in table.column_names:
+            field = MANIFEST_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
     missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
     missing += [
         k for k in ("dataset", "class_names", "captions_per_image", "digest") if k not in meta

@@ -15,84 +15,48 @@ the proposals' boxes in original-image pixels, as in the reference tool.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torchvision
 from PIL import Image
 from torch import nn
 from torchvision.models.detection.image_list import ImageList
-from torchvision.ops import batched_nms
+from torchvision.ops import box_iou
 
+from features.detector import (
+    ResNetTrunk,
+    build_detector_model,
+    model_from_checkpoint,
+    resnet_depth,
+)
+from features.images import centre_crop_resize
 from features.store import FieldSpec
-from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
+from features.visual_config import DetectorConfig, ExtractConfig, GridConfig, RegionsConfig
+from features.weights import (
+    WeightsError,
+    checkpoint_kind,
+    describe,
+    load_exact,
+    read_checkpoint,
+    trunk_state,
+)
+
+DEFAULT_DETECTOR = "resnet101_c4"  # Anderson et al. 2018
+DEFAULT_CLASSES = 1601  # Visual Genome: 1600 object classes + background
+DEFAULT_TRUNK = "resnet152"  # VSE++, UniVSE
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Part of every store fingerprint: bump it with any change that alters extracted features,
 # or a persisted store made by the old code is kept (its fingerprint still matches).
-EXTRACTOR_VERSION = "1"
+EXTRACTOR_VERSION = "2"  # 2: exact BUTD selection (classes of unsurvived proposals)
 
 
-# --------------------------------------------------------------------------- weights
-
-
-def weights_digest(path: str | None, seed: int) -> str:
-    """SHA-256 of a checkpoint file, or a distinct tag for random initialisation."""
-    if path is None:
-        return f"random-init-seed-{seed}"
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"weights {path}: no such file; give a local checkpoint path (nothing is "
-            "downloaded), or set weights: null for random initialisation"
-        )
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def load_weights(model: nn.Module, path: str | None, seed: int, what: str) -> None:
-    """Load a local checkpoint (weights only), or warn loudly about random weights."""
-    if path is None:
-        warnings.warn(
-            f"{what}: NO WEIGHTS GIVEN, using RANDOM initialisation (seed {seed}). Features "
-            "are only useful for testing the pipeline; set `weights:` to a local checkpoint "
-            "for real runs. The store's fingerprint records the random init.",
-            stacklevel=2,
-        )
-        return
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    for key in ("model", "state_dict"):
-        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-            state = state[key]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"weights {path} do not fit the {what} model: {len(missing)} missing keys "
-            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}); "
-            "check the architecture / num_classes params"
-        )
-
-
-def _resnet(depth: int) -> torchvision.models.ResNet:
-    return getattr(torchvision.models, f"resnet{depth}")(weights=None)
-
-
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda requested but torch.cuda.is_available() is False")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+# --------------------------------------------------------------------------- helpers
 
 
 def _autocast(device: torch.device):
@@ -123,61 +87,84 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 # --------------------------------------------------------------------------- regions
 
 
-class Res5Head(nn.Module):
-    """The C4 box head: ResNet's res5 stage on 14x14 RoI features, then average pooling."""
-
-    def __init__(self, layer4: nn.Module):
-        super().__init__()
-        self.layer4 = layer4
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (P, 1024, 14, 14) -> (P, 2048)
-        return self.layer4(x).mean(dim=(2, 3))
-
-
-def build_c4_detector(depth: int, num_classes: int, proposals: int, stages: int = 4) -> nn.Module:
-    """Faster R-CNN with a ResNet C4 backbone (stem..res4, stride 16) and res5 box head,
-    the bottom-up-attention architecture, assembled from torchvision parts. ``stages < 4``
-    moves the head down: stage ``stages`` is the head, the stages before it the backbone."""
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
-    from torchvision.ops import MultiScaleRoIAlign
-
-    resnet = _resnet(depth)
-    layers = [resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4]
-    backbone = nn.Sequential(
-        resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool, *layers[: stages - 1]
-    )
-    backbone.out_channels = 256 * 2 ** (stages - 2)  # bottleneck ResNets
-    dim = 2 * backbone.out_channels
-    return FasterRCNN(
-        backbone,
-        rpn_anchor_generator=AnchorGenerator(((32, 64, 128, 256, 512),), ((0.5, 1.0, 2.0),)),
-        box_roi_pool=MultiScaleRoIAlign(["0"], output_size=14, sampling_ratio=0),
-        box_head=Res5Head(layers[stages - 1]),
-        box_predictor=FastRCNNPredictor(dim, num_classes),
-        rpn_pre_nms_top_n_test=6000,
-        rpn_post_nms_top_n_test=proposals,
-    )
+def _conflict(param: str, given, found, source: str) -> None:
+    if given is not None and given != found:
+        raise WeightsError(
+            f"{param} is {given!r} but {source} says {found!r}; remove the param (it is "
+            "taken from the checkpoint) or give a checkpoint that matches"
+        )
 
 
 def build_detector(cfg: RegionsConfig) -> nn.Module:
-    """The torchvision detector of ``cfg.architecture``, weights loaded (or random)."""
-    torch.manual_seed(cfg.seed)
-    if cfg.architecture == "resnet50_fpn":
-        from torchvision.models.detection import fasterrcnn_resnet50_fpn
+    """The torchvision detector of the ``regions`` params, weights loaded (or random).
 
-        model = fasterrcnn_resnet50_fpn(
-            weights=None,
-            weights_backbone=None,
-            num_classes=cfg.num_classes,
-            rpn_post_nms_top_n_test=cfg.proposals,
-        )
+    ``regions.weights`` may be a ``vse-detector`` checkpoint (architecture and class count
+    come from it), a torchvision detection state dict (class count from it), or an
+    ImageNet ResNet state dict, which initialises the trunk (and the C4 res5 head), as the
+    bottom-up-attention model was initialised; the RPN and predictor stay random then.
+    """
+    param = "regions.weights"
+    torch.manual_seed(cfg.seed)
+    obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
+    kind = checkpoint_kind(obj) if obj is not None else None
+    overrides = {"rpn_post_nms_test": cfg.proposals}
+    if kind == "vse-detector":
+        source = f"{cfg.weights} (a vse-detector checkpoint)"
+        _conflict("regions.architecture", cfg.architecture, obj["config"]["architecture"], source)
+        _conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, source)
+        model = model_from_checkpoint(obj, overrides)
+        model.architecture = obj["config"]["architecture"]
+        return model.eval()
+    arch = cfg.architecture or DEFAULT_DETECTOR
+    num_classes = cfg.num_classes
+    if kind == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
+        found = obj["roi_heads.box_predictor.cls_score.weight"].shape[0]
+        _conflict("regions.num_classes", num_classes, found, f"{cfg.weights} ({describe(obj)})")
+        num_classes = found
+    spec = DetectorConfig(architecture=arch, **overrides)
+    model = build_detector_model(spec, num_classes or DEFAULT_CLASSES)
+    model.architecture = arch
+    what = f"the regions detector ({arch})"
+    if obj is None:
+        _warn_random("regions", cfg.seed)
+    elif kind == "detection":
+        load_exact(model, obj, param, what, f"{cfg.weights} ({describe(obj)})")
+    elif kind == "classification":
+        _load_imagenet_trunk(model, obj, cfg.weights, arch)
     else:
-        depth = 101 if cfg.architecture == "resnet101_c4" else 50
-        model = build_c4_detector(depth, cfg.num_classes, cfg.proposals, cfg.stages)
-    load_weights(model, cfg.weights, cfg.seed, f"regions ({cfg.architecture})")
+        raise WeightsError(
+            f"{param}: {cfg.weights} is {describe(obj)}; {what} takes a vse-detector "
+            "checkpoint, a torchvision detection state dict or an ImageNet ResNet state dict"
+        )
     return model.eval()
+
+
+def _load_imagenet_trunk(model: nn.Module, obj: dict, path: str, arch: str) -> None:
+    """ImageNet weights into the detector's trunk (``backbone.body``; for C4 also the res5
+    box head), as Anderson et al. initialised theirs; the rest stays random."""
+    state = trunk_state(obj, "regions.weights")
+    source = f"{path} ({describe(obj)})"
+    what = f"the trunk of the regions detector ({arch})"
+    if arch.endswith("_c4"):
+        head = {k[len("layer4.") :]: v for k, v in state.items() if k.startswith("layer4.")}
+        state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
+        load_exact(model.roi_heads.box_head.layer4, head, "regions.weights", what, source)
+    load_exact(model.backbone.body, state, "regions.weights", what, source)
+    warnings.warn(
+        f"regions: {path} initialises only the trunk of {arch}; the RPN and the box "
+        "predictor are RANDOM, so regions and scores are meaningless until it is trained "
+        "(vse train detector)",
+        stacklevel=3,
+    )
+
+
+def _warn_random(what: str, seed: int) -> None:
+    warnings.warn(
+        f"{what}: NO WEIGHTS GIVEN, using RANDOM initialisation (seed {seed}). Features "
+        "are only useful for testing the pipeline; set `weights:` to a local checkpoint "
+        "for real runs. The store's fingerprint records the random init.",
+        stacklevel=3,
+    )
 
 
 def butd_select(
@@ -185,24 +172,108 @@ def butd_select(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bottom-up-attention region selection; returns kept indices, their class, confidence.
 
-    ``scores`` (P, C) are softmax class probabilities with background in column 0. Per
-    class c >= 1, NMS over all proposals by ``scores[:, c]`` at IoU ``nms_iou``; a
-    proposal's confidence is its best score among the classes where it survives.
+    The result is exactly that of the per-class loop of bottom-up-attention's
+    ``generate_tsv.py`` with torchvision's ``nms``: for each class c >= 1 (column 0 of the
+    softmax ``scores`` (P, C) is background), greedy NMS over all proposals ordered by
+    ``scores[:, c]`` (descending; ties by proposal index, as torchvision's stable sort) at
+    IoU ``> nms_iou``; ``max_conf[i]`` = the best score of proposal i among the classes in
+    which it survives (0 if none); keep the proposals with ``max_conf >= conf_threshold``,
+    at least ``min_boxes`` and at most ``max_boxes``, ranked by ``max_conf`` (descending,
+    ties by index; the paper's tool keeps the in-range case in index order). A proposal's
+    class is the lowest class reaching its ``max_conf``; one that survives in no class
+    with a positive score (kept only to reach ``min_boxes``) gets its top-scoring class.
+
+    The loop costs C NMS runs; this does the same selection from one IoU matrix and only
+    the (proposal, class) pairs that can matter. Survival of pair (i, c) depends only on
+    the pairs of class c that precede it, so NMS restricted to the pairs scoring
+    ``>= tau`` is exact for them, and gives ``max_conf`` exactly for every proposal whose
+    ``max_conf >= tau`` (the others are known to be below ``tau``). With ``tau =
+    conf_threshold`` that decides everything unless fewer than ``min_boxes`` proposals
+    pass; then ``tau`` drops to a value that at least ``min_boxes`` proposals are known to
+    reach (each class's top proposal always survives), or to 0 (all pairs) in degenerate
+    cases. NMS itself runs for all classes at once, one rank at a time, on bitsets.
     """
-    n, c = scores.shape
-    pair_box = torch.arange(n).repeat_interleave(c - 1)  # all (box, foreground class) pairs
-    pair_class = torch.arange(c - 1).repeat(n)
-    pair_score = scores[:, 1:].reshape(-1)
-    survive = batched_nms(boxes[pair_box].float(), pair_score.float(), pair_class, cfg.nms_iou)
-    surviving = torch.full((n, c - 1), -1.0)  # score of (box, class) pairs that survive NMS
-    surviving.view(-1)[survive] = pair_score[survive].float()
-    confidence, best_class = surviving.max(dim=1)
-    confidence = confidence.clamp(min=0.0)  # a box suppressed in every class: confidence 0
+    n = len(boxes)
+    fg = scores[:, 1:]  # (P, C-1)
+    if n == 0 or fg.shape[1] == 0:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, torch.zeros(0, dtype=scores.dtype)
+    # torchvision's nms compares the float IoU with the threshold as a double
+    over = box_iou(boxes, boxes).double() > cfg.nms_iou  # (P, P) suppression relation
+    target = min(cfg.min_boxes, n)
+    tau = cfg.conf_threshold
+    max_conf, best = _max_conf_from(fg, over, tau)
+    if int((max_conf >= tau).sum()) < target and tau > 0:
+        # each class's top proposal survives its NMS: a lower bound on max_conf
+        top_score, top_box = fg.max(dim=0)
+        bound = torch.zeros(n, dtype=fg.dtype).scatter_reduce(0, top_box, top_score, "amax")
+        ranked_bound = bound.sort(descending=True).values
+        tau = min(tau, float(ranked_bound[target - 1])) if target else tau
+        max_conf, best = _max_conf_from(fg, over, tau)
+    confidence = torch.where(max_conf >= tau, max_conf, torch.zeros_like(max_conf))
     ranked = torch.argsort(confidence, descending=True, stable=True)
     n_keep = int((confidence >= cfg.conf_threshold).sum())
     n_keep = min(max(n_keep, cfg.min_boxes), cfg.max_boxes, n)
     keep = ranked[:n_keep]
-    return keep, best_class[keep] + 1, confidence[keep]
+    classes = torch.where(best[keep] >= 0, best[keep], fg[keep].argmax(dim=1))
+    return keep, classes + 1, confidence[keep]
+
+
+def _max_conf_from(
+    fg: torch.Tensor, over: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class greedy NMS on the pairs scoring ``>= tau``; returns ``max_conf`` (P,)
+    (exact where ``>= tau``) and the lowest class reaching it with a positive score (-1
+    where there is none)."""
+    n = len(fg)
+    box, cls = torch.nonzero(fg >= tau, as_tuple=True)  # box-major: box ascending per class
+    score = fg[box, cls]
+    order = torch.argsort(score, descending=True, stable=True)
+    order = order[torch.argsort(cls[order], stable=True)]  # class, score desc, box asc
+    box, cls, score = box[order], cls[order], score[order]
+    survives = _grouped_nms(box, cls, over)
+    max_conf = torch.zeros(n, dtype=fg.dtype)
+    best = torch.full((n,), -1, dtype=torch.long)
+    if len(box) == 0:
+        return max_conf, best
+    alive = survives & (score > 0)
+    max_conf.scatter_reduce_(0, box[alive], score[alive], "amax")
+    winner = alive & (score == max_conf[box])
+    big = fg.shape[1]
+    lowest = torch.full((n,), big, dtype=torch.long)
+    lowest.scatter_reduce_(0, box[winner], cls[winner], "amin")
+    best = torch.where(lowest < big, lowest, best)
+    return max_conf, best
+
+
+def _grouped_nms(box: torch.Tensor, cls: torch.Tensor, over: torch.Tensor) -> torch.Tensor:
+    """Greedy NMS of every class at once: pairs sorted by class, then rank; ``over[a, b]``
+    says a kept ``a`` suppresses ``b``. Step r decides the r-th pair of every class, whose
+    suppression by earlier kept pairs is read from per-class bitsets (32 boxes a word)."""
+    if len(box) == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    n = len(over)
+    words = -(-n // 32)
+    padded = torch.zeros(n, words * 32, dtype=torch.int64)
+    padded[:, :n] = over.to(torch.int64)
+    bits = (padded.view(n, words, 32) << torch.arange(32)).sum(dim=2)  # (P, W)
+    classes, counts = torch.unique_consecutive(cls, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(box)) - torch.repeat_interleave(starts, counts)
+    group = torch.repeat_interleave(torch.arange(len(classes)), counts)
+    table = torch.full((len(classes), int(counts.max())), -1, dtype=torch.long)
+    table[group, rank] = box  # (G, R) proposals of each class in NMS order
+    kept = torch.zeros_like(table, dtype=torch.bool)
+    suppressed = torch.zeros(len(classes), words, dtype=torch.int64)  # (G, W) bitsets
+    for r in range(table.shape[1]):
+        b = table[:, r]
+        valid = b >= 0
+        b = b.clamp(min=0)
+        word = suppressed.gather(1, (b // 32)[:, None])[:, 0]
+        keep = valid & (((word >> (b % 32)) & 1) == 0)
+        kept[:, r] = keep
+        suppressed |= bits[b] * keep[:, None]
+    return kept[group, rank]
 
 
 def resize_for_detection(image: Image.Image, min_side: int, max_side: int):
@@ -239,7 +310,8 @@ class RegionExtractor:
 
     @property
     def name(self) -> str:
-        return f"regions-{self.cfg.backend}-{self.cfg.architecture}"
+        architecture = getattr(self.model, "architecture", self.cfg.architecture)
+        return f"regions-{self.cfg.backend}-{architecture}"
 
     def fields(self) -> dict[str, FieldSpec]:
         r = self.width
@@ -265,12 +337,13 @@ class RegionExtractor:
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
         rois, pooled, logits = self._forward(items)
         pooled = pooled.float().cpu()
-        scores = F.softmax(logits.float(), dim=-1).cpu()
+        scores = None if logits is None else F.softmax(logits.float(), dim=-1).cpu()
         outputs = []
         start = 0
         for it, boxes in zip(items, rois, strict=True):
             n = len(boxes)
-            feats, probs = pooled[start : start + n], scores[start : start + n]
+            feats = pooled[start : start + n]
+            probs = None if scores is None else scores[start : start + n]
             start += n
             boxes = boxes.float().cpu() / it["scale"]  # back to original-image pixels
             if self.given:
@@ -297,7 +370,10 @@ class RegionExtractor:
                 rois, _ = self.model.rpn(images, feature_maps)
             heads = self.model.roi_heads
             pooled = heads.box_head(heads.box_roi_pool(feature_maps, rois, images.image_sizes))
-            logits, _ = heads.box_predictor(pooled)
+            # class scores only: the selection keeps proposal boxes, so the per-class box
+            # regression (4 x classes outputs a region) is not computed; given boxes need
+            # no scores at all
+            logits = None if self.given else heads.box_predictor.cls_score(pooled)
         return rois, pooled, logits
 
     def _pack(self, feats, boxes, classes, confidence, hw) -> dict[str, np.ndarray]:
@@ -322,25 +398,30 @@ class RegionExtractor:
 # --------------------------------------------------------------------------- grid
 
 
-class ResNetTrunk(nn.Module):
-    """ResNet up to conv5 (layer4): (B, 3, H, W) -> (B, 2048, H/32, W/32); with
-    ``stages < 4`` up to that stage: (B, 256 * 2^(stages-1), H/2^(stages+1), ...)."""
+def build_trunk(cfg: GridConfig) -> ResNetTrunk:
+    """The grid/global trunk: a ResNet to conv5 (layer4), weights from ``grid.weights``.
 
-    def __init__(self, depth: int, stages: int = 4):
-        super().__init__()
-        resnet = _resnet(depth)
-        self.body = nn.Sequential(*list(resnet.children())[: 4 + stages])  # stem + stages
-        self.dim = 256 * 2 ** (stages - 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-def build_trunk(cfg: GridConfig) -> nn.Module:
+    Takes torchvision ResNet classification state dicts (``fc.*`` ignored), the trunk of
+    torchvision detection state dicts and of ``vse-detector`` checkpoints (its
+    architecture then comes from the checkpoint). ``.architecture`` says which ResNet.
+    """
+    param = "grid.weights"
     torch.manual_seed(cfg.seed)
-    model = ResNetTrunk(int(cfg.architecture.removeprefix("resnet")), cfg.stages)
-    load_weights(model.body, cfg.weights, cfg.seed, f"grid ({cfg.architecture})")
-    return model.eval()
+    arch = cfg.architecture
+    obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
+    if obj is not None and checkpoint_kind(obj) == "vse-detector":
+        found = f"resnet{resnet_depth(obj['config']['architecture'])}"
+        _conflict("grid.architecture", arch, found, f"{cfg.weights} (a vse-detector checkpoint)")
+        arch = found
+    arch = arch or DEFAULT_TRUNK
+    trunk = ResNetTrunk(resnet_depth(arch))
+    trunk.architecture = arch
+    if obj is None:
+        _warn_random("grid", cfg.seed)
+    else:
+        source = f"{cfg.weights} ({describe(obj)})"
+        load_exact(trunk, trunk_state(obj, param), param, f"the grid trunk ({arch})", source)
+    return trunk.eval()
 
 
 class GridExtractor:
@@ -357,7 +438,7 @@ class GridExtractor:
 
     @property
     def name(self) -> str:
-        return f"grid-{self.cfg.architecture}"
+        return f"grid-{getattr(self.model, 'architecture', self.cfg.architecture)}"
 
     def fields(self) -> dict[str, FieldSpec]:
         g = self.cfg.grid
@@ -368,16 +449,8 @@ class GridExtractor:
         }
 
     def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
-        size = self.cfg.image_size
         w, h = image.size
-        scale = size / min(w, h)
-        resized = image.resize(
-            (max(round(w * scale), size), max(round(h * scale), size)), Image.BILINEAR
-        )
-        left = (resized.width - size) // 2
-        top = (resized.height - size) // 2
-        crop = resized.crop((left, top, left + size, top + size))
-        return {"image": to_tensor(crop), "hw": (h, w)}
+        return {"image": to_tensor(centre_crop_resize(image, self.cfg.image_size)), "hw": (h, w)}
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:

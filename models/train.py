@@ -30,6 +30,7 @@ from torch import nn
 
 from features.config import Section, UserError
 from features.device import resolve_device
+from features.files import save_torch
 from models.common import TrainConfig, autocast
 from models.data import DataInfo
 
@@ -261,11 +262,11 @@ def train(
                 out_dir.mkdir(parents=True, exist_ok=True)
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
                 if improved:
-                    _atomic_save({**identity, "state_dict": state, "epoch": epoch}, best_path)
+                    save_torch({**identity, "state_dict": state, "epoch": epoch}, best_path)
                 rng = {"torch": torch.get_rng_state()}
                 if device.type == "cuda":
                     rng["cuda"] = torch.cuda.get_rng_state_all()
-                _atomic_save(
+                save_torch(
                     {
                         **identity,
                         "version": CHECKPOINT_VERSION,
@@ -386,15 +387,6 @@ def _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path) -> No
         f"{name}: {where}; stopped. Kept the last good checkpoint: {kept}. Lower train.lr "
         "or raise train.warmup_steps, then rerun with --resume"
     )
-
-
-def _atomic_save(obj: dict, path: Path) -> None:
-    """Write then rename, so a crash never leaves a half-written checkpoint (and a DVC
-    hardlinked output is never opened for writing in place)."""
-    from features.files import atomic_path
-
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:

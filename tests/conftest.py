@@ -32,10 +32,12 @@ def run(cmd, cwd, check=True):
 
 
 def small_params(repo_root) -> str:
-    """The repository's params.yaml with a 12/4/4 demo dataset and one short epoch."""
+    """The repository's params.yaml with a 12/4/4 demo dataset and one short epoch (of the
+    models and of the detector)."""
     params = yaml.safe_load((repo_root / "params.yaml").read_text())
     params["demo"].update(n_train=12, n_val=4, n_test=4)
     params["train"].update(epochs=1, batch_size=8)
+    params["detector"].update(epochs=1)
     params["evaluate"].update(fold_size=2)  # 2 folds of 2 test images
     return yaml.safe_dump(params, sort_keys=False)
 

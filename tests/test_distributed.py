@@ -162,9 +162,7 @@ def demo(tmp_path_factory):
 def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
     from flows.distributed import ExtractJob, run_distributed
 
-    cfg = GridConfig(
-        architecture="resnet50", image_size=64, grid=3, stages=1, batch_size=2, num_workers=1
-    )
+    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=1)
     manifest = read_manifest(demo / "manifest.parquet")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in each single-threaded Dask worker
@@ -185,7 +183,7 @@ def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
     again = run_distributed(grid, address=cluster.scheduler_address)  # complete: no work
     assert again["shards"] == 0 and again["images"] == 0
     features = Store.open(tmp_path / "dask.zarr").read(0, 20)["features"]
-    assert features.shape == (20, 3, 3, 256) and np.abs(features).sum() > 0
+    assert features.shape == (20, 3, 3, 512) and np.abs(features).sum() > 0  # ResNet-18 conv5
 
 
 def test_the_image_stage_takes_its_dask_cluster_from_flags_or_environment(monkeypatch):

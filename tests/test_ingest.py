@@ -112,6 +112,7 @@ def test_karpathy_reader_validates_every_problem(karpathy):
         "bad_label": 0,
         "bad_boxes": 0,
         "bad_box_names": 0,
+        "bad_box_attributes": 0,
         "symlink_escapes_root": 0,
         "caption_count": 3,
     }
@@ -200,6 +201,57 @@ def test_demo_dataset_reads_labels_and_boxes(tmp_path):
     assert report.errors == [] and report.warnings == [] and len(records) == 7
     assert dataset.name == "demo" and len(dataset.class_names) == 6
     assert all(r.label is not None and len(r.boxes) == len(r.box_names) >= 2 for r in records)
+    data = json.loads((tmp_path / "dataset.json").read_text())
+    for record, image in zip(records, data["images"], strict=True):
+        expected = [[o["color"], o["size"]] for o in image["objects"]]
+        assert record.box_attributes == expected  # one list per box: colour, size
+
+
+def test_box_attributes_are_validated_and_stored(tmp_path, karpathy):
+    annotations, images = karpathy
+    data = json.loads(annotations.read_bytes().replace(b"\xe9", b"e"))
+    good = data["images"][0]
+    good.update(boxes=[[0, 0, 5, 5], [1, 1, 4, 4.5]], box_names=["dog", "ball"])
+    good["box_attributes"] = [["brown", "small"], []]
+    bad = data["images"][3]  # test1.jpg: one attribute list for two boxes
+    bad.update(boxes=[[0, 0, 5, 5], [1, 1, 4, 4]], box_names=["a", "b"], box_attributes=[["x"]])
+    annotations.write_text(json.dumps(data))
+    dataset, records, report = run_reader("karpathy", annotations, images)
+    problems = [(i.key, i.detail) for i in report.errors if i.reason == "bad_box_attributes"]
+    assert ("test1", "1 box_attributes for 2 boxes") in problems
+    assert "test1" not in {r.key for r in records}
+    write_manifest(records, dataset, 5, tmp_path / "m.parquet")
+    manifest = read_manifest(tmp_path / "m.parquet")
+    rows = {r["key"]: r for r in manifest.table.to_pylist()}
+    assert rows["good"]["box_attributes"] == [["brown", "small"], []]
+    assert rows["rest"]["box_attributes"] is None
+    field = manifest.table.schema.field("box_attributes")
+    assert field.type == pa.list_(pa.list_(pa.string())) and field.nullable
+
+
+def test_datasets_without_attributes_keep_their_digest_and_old_manifests_read(tmp_path, karpathy):
+    """box_attributes came with manifest version 2: null values stay out of the digest, and
+    a version-1 manifest (no such column) reads as all-null."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    dataset, records, _ = run_reader("karpathy", *karpathy)
+    meta = write_manifest(records, dataset, 5, tmp_path / "m.parquet")
+    h = hashlib.sha256(json.dumps(dataset.class_names).encode())
+    v1_columns = ["key", "path", "split", "captions", "label", "boxes", "box_names"]
+    for r in records:  # the version-1 digest, written out
+        row = {c: getattr(r, c) for c in v1_columns}
+        h.update(json.dumps(row, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    assert meta["digest"] == h.hexdigest()
+    table = pq.read_table(tmp_path / "m.parquet").drop_columns(["box_attributes"])
+    old_meta = {**meta, "schema_version": 1}
+    pq.write_table(
+        table.replace_schema_metadata({"vse": json.dumps(old_meta)}), tmp_path / "v1.parquet"
+    )
+    old = read_manifest(tmp_path / "v1.parquet")
+    assert old.table.column_names == MANIFEST_COLUMNS and old.digest == meta["digest"]
+    assert old.table["box_attributes"].null_count == len(old)
 
 
 def test_manifest_round_trip_and_digest(tmp_path, karpathy):

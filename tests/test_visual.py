@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from torchvision.ops import roi_align
+from torchvision.ops import nms, roi_align
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import extract_images, report_bad_images
+from features.extract import extract_images, region_recall, report_bad_images
 from features.global_features import extract_global, fit_pca, project
 from features.ingest import (
     READERS,
@@ -100,6 +100,16 @@ def test_given_box_features_are_roi_align_on_the_backbone_map(demo, tmp_path):
         np.testing.assert_allclose(
             sample["features"][:n].astype(np.float32), expected, rtol=2e-3, atol=2e-3
         )
+    # with ground-truth boxes in the manifest, the stage reports how well regions cover them
+    coverage = region_recall(tmp_path / "r.zarr", manifest)
+    counts = [len(r["boxes"]) for r in rows]
+    assert coverage["all"] == {
+        "images": len(rows),
+        "regions_per_image": round(sum(counts) / len(rows), 4),
+        "gt_boxes": sum(counts),
+        "gt_recall": 1.0,
+    }
+    assert coverage["val"]["images"] == 3
 
 
 def test_each_box_keeps_its_own_feature(demo):
@@ -166,6 +176,115 @@ def test_butd_selection_by_hand():
     assert keep.tolist() == [0]
 
 
+def reference_butd(boxes, scores, cfg):
+    """The per-class loop of bottom-up-attention's generate_tsv.py, with torchvision's nms;
+    plus the class of each kept box (the first class that raised its max_conf, else its
+    top-scoring class) and the ranking by max_conf (ties by index)."""
+    n, c = scores.shape
+    max_conf = torch.zeros(n, dtype=scores.dtype)
+    best = torch.zeros(n, dtype=torch.long)
+    for k in range(1, c):
+        keep = nms(boxes, scores[:, k], cfg.nms_iou)
+        raised = keep[scores[keep, k] > max_conf[keep]]
+        max_conf[raised] = scores[raised, k]
+        best[raised] = k
+    n_keep = int((max_conf >= cfg.conf_threshold).sum())
+    n_keep = min(max(n_keep, cfg.min_boxes), cfg.max_boxes, n)
+    keep = torch.argsort(max_conf, descending=True, stable=True)[:n_keep]
+    classes = torch.where(best[keep] > 0, best[keep], scores[keep, 1:].argmax(dim=1) + 1)
+    return keep, classes, max_conf[keep]
+
+
+def random_boxes(gen, n, spread=100.0):
+    xy = torch.rand(n, 2, generator=gen) * spread
+    wh = torch.rand(n, 2, generator=gen) * spread / 2 + 1
+    return torch.cat([xy, xy + wh], dim=1)
+
+
+def butd_cases():
+    """(name, boxes, scores, cfg): random and adversarial selections."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = RegionsConfig(conf_threshold=0.2, nms_iou=0.3, min_boxes=10, max_boxes=30)
+    n, c = 60, 41
+    for temperature in (0.5, 3.0, 8.0):  # flat (all below threshold) to peaked softmax
+        logits = torch.randn(n, c, generator=gen) * temperature
+        yield f"softmax-t{temperature}", random_boxes(gen, n), logits.softmax(1), cfg
+    # ties: scores on a coarse grid, so many pairs share a score, in several classes
+    grid = torch.randint(0, 5, (n, c), generator=gen).float() / 8
+    yield "tied scores", random_boxes(gen, n, 40), grid, cfg
+    # identical boxes: only one survives per class; the min_boxes fill comes from
+    # proposals suppressed in every class (max_conf 0, ranked by index)
+    same = torch.tensor([[5.0, 5.0, 30.0, 30.0]]).repeat(n, 1)
+    yield "identical boxes", same, torch.rand(n, c, generator=gen).softmax(1), cfg
+    # one proposal wins every class: all others suppressed everywhere
+    scores = torch.full((n, c), 0.01)
+    scores[7] = 0.5
+    yield "one winner", same, scores, cfg
+    yield "all equal", random_boxes(gen, n, 30), torch.full((n, c), 1.0 / c), cfg
+    # everything below threshold and few classes: the fill needs low-scoring survivors
+    low = torch.rand(n, 3, generator=gen) * 0.05
+    yield "all below threshold", random_boxes(gen, n, 30), low, cfg
+    yield "over max_boxes", random_boxes(gen, n, 300), torch.rand(n, c, generator=gen), cfg
+    yield "min_boxes > n", random_boxes(gen, 5), torch.rand(5, c, generator=gen), cfg
+    yield (
+        "threshold 0",
+        random_boxes(gen, n),
+        torch.rand(n, c, generator=gen),
+        (cfg.model_copy(update={"conf_threshold": 0.0})),
+    )
+    yield (
+        "threshold 1",
+        random_boxes(gen, n),
+        torch.rand(n, c, generator=gen),
+        (cfg.model_copy(update={"conf_threshold": 1.0, "min_boxes": 0})),
+    )
+    yield "zero scores", random_boxes(gen, n, 30), torch.zeros(n, c), cfg
+    # IoU exactly at the threshold: float32(0.3) = 0.30000001 > 0.3 suppresses, as in nms
+    a = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
+    b = torch.tensor([[0.0, 0.0, 10.0, 3.0]])  # IoU 30/100 = float32(0.3)
+    at = torch.cat([a, b, a + 50, b + 50])
+    yield "IoU at threshold", at, torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2), cfg
+    yield (
+        "IoU at threshold, 0.5",
+        at,
+        torch.tensor([[0, 0.9], [0, 0.8]] * 2),
+        (cfg.model_copy(update={"nms_iou": 0.5, "min_boxes": 0})),
+    )
+    logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
+    yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
+    yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
+
+
+@pytest.mark.parametrize("case", list(butd_cases()), ids=lambda case: case[0])
+def test_fast_butd_selection_equals_the_per_class_loop(case):
+    _, boxes, scores, cfg = case
+    keep, classes, conf = butd_select(boxes, scores, cfg)
+    ref_keep, ref_classes, ref_conf = reference_butd(boxes, scores, cfg)
+    assert keep.tolist() == ref_keep.tolist()
+    assert classes.tolist() == ref_classes.tolist()
+    assert conf.tolist() == ref_conf.tolist()  # bit for bit
+
+
+def test_fast_butd_selection_on_many_random_images():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        n = int(torch.randint(1, 80, (1,), generator=gen))
+        c = int(torch.randint(2, 30, (1,), generator=gen))
+        boxes = random_boxes(gen, n, float(torch.randint(20, 200, (1,), generator=gen)))
+        temperature = float(torch.rand(1, generator=gen)) * 6
+        scores = (torch.randn(n, c, generator=gen) * temperature).softmax(1)
+        cfg = RegionsConfig(
+            conf_threshold=float(torch.rand(1, generator=gen)) * 0.5,
+            nms_iou=float(torch.rand(1, generator=gen)) * 0.8 + 0.1,
+            min_boxes=int(torch.randint(0, 15, (1,), generator=gen)),
+            max_boxes=15,
+        )
+        got = butd_select(boxes, scores, cfg)
+        want = reference_butd(boxes, scores, cfg)
+        for g, w in zip(got, want, strict=True):
+            assert g.tolist() == w.tolist(), trial
+
+
 def grid_cfg(**kw):
     return GridConfig(architecture="resnet50", image_size=64, grid=3, num_workers=0, **kw)
 
@@ -214,6 +333,7 @@ def test_bad_images_are_reported_not_fatal(tmp_path):
     cfg = grid_cfg()
     extractor = GridExtractor(build_trunk(cfg), cfg, CPU)
     extract_images(extractor, manifest, tmp_path / "images", tmp_path / "g.zarr", cfg, LAYOUT)
+    assert region_recall(tmp_path / "none.zarr", manifest) is None  # no boxes, no report
     bad = Store.open(tmp_path / "g.zarr").notes()
     assert {k: v[0] for k, v in bad.items()} == {
         "truncated": "corrupt",

@@ -55,6 +55,7 @@ GROUPS = {
     "store": "list, inspect, verify, import and export feature stores",
     "prefect": "Prefect deployments of the flows",
     "exp": "DVC experiments (runs with overridden params)",
+    "train": "train a retrieval model, or the bottom-up detector",
 }
 
 

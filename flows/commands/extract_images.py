@@ -20,6 +20,12 @@ DASK_WORKERS, DASK_ADDRESS = "VSE_DASK_WORKERS", "VSE_DASK_ADDRESS"
 def arguments(p) -> None:
     path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
     path_in(p, "--images", required=True, help="images root of the manifest")
+    path_in(
+        p,
+        "--weights",
+        help="checkpoint to load, in place of the stage's `weights` param (the demo's "
+        "dvc.yaml passes the detector stage's, so the DAG holds that edge)",
+    )
     path_out(p, "--out", help="store to write (a killed run, rerun, resumes)")
     path_out(p, "--errors", help="CSV of images that could not be used")
     path_out(p, "--metrics", help="JSON of counts (a DVC metrics file)")
@@ -53,11 +59,18 @@ def dask_settings(args) -> tuple[int, str | None]:
 
 
 def run(args, params) -> int:
-    from features.extract import build_image_extractor, extract_images, report_bad_images
+    from features.extract import (
+        build_image_extractor,
+        extract_images,
+        region_recall,
+        report_bad_images,
+    )
     from features.ingest import read_manifest
 
     stage = args.stage
     cfg = getattr(params, stage)
+    if args.weights:
+        cfg = cfg.model_copy(update={"weights": args.weights})
     out = Path(args.out)
     workers, address = dask_settings(args)
     if workers or address:
@@ -82,7 +95,17 @@ def run(args, params) -> int:
             progress=progress(stage),
         )
         print(f"extract {stage}: {timing.summary()}")
-    report_bad_images(out, Path(args.errors), Path(args.metrics), cfg.max_error_fraction)
+    coverage = None
+    if stage == "regions":  # recall of ground-truth boxes, when the manifest has some
+        coverage = region_recall(out, read_manifest(Path(args.manifest)))
+        if coverage:
+            c = coverage["all"]
+            print(
+                f"extract regions: {c['regions_per_image']:.2f} regions per image; "
+                f"{c['gt_recall']:.1%} of {c['gt_boxes']} ground-truth boxes found (IoU >= 0.5)"
+            )
+    extra = {"ground_truth": coverage} if coverage else None
+    report_bad_images(out, Path(args.errors), Path(args.metrics), cfg.max_error_fraction, extra)
     return 0
 
 

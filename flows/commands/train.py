@@ -43,7 +43,6 @@ def feature_paths(args):
 
 
 def train_arguments(p) -> None:
-    p.add_argument("model", choices=MODEL_NAMES)
     feature_arguments(p)
     path_out(p, "--out", help="folder for last.pt and best.pt")
     path_out(p, "--metrics", help="JSON of the last and best epochs")
@@ -77,14 +76,15 @@ def run_train(args, params) -> int:
 
 COMMANDS = [
     Command(
-        "train",
-        help="train one model from the feature stores (params: train, models.MODEL)",
+        f"train {model}",
+        help=f"train {model} from the feature stores (params: train, models.{model})",
         description="Reads only the stores the model needs; checkpoints every epoch "
         "(last.pt, resumable with --resume) and keeps the best on validation rsum (best.pt). "
         "Under torchrun it trains with DDP.",
-        arguments=train_arguments,
+        arguments=lambda p, model=model: (train_arguments(p), p.set_defaults(model=model)),
         run=run_train,
         sections=("train", "models", "sbert"),
         owns={"train": "models.common:TrainConfig", "models": "models.registry"},
-    ),
+    )
+    for model in MODEL_NAMES
 ]

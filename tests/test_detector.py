@@ -1,0 +1,474 @@
+"""The bottom-up detector (features/detector*.py, detection_data.py): readers of the demo
+manifest, COCO instances and Visual Genome files made here; the attribute loss; a CPU
+training run on a tiny demo; its checkpoint read back by `regions` and `grid`; metrics;
+determinism and an exact resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from features.demo import DemoConfig, build_dataset
+from features.detection_data import (
+    DetectionDataError,
+    DetectionImage,
+    read_coco,
+    read_manifest_boxes,
+    read_visual_genome,
+)
+from features.detector import attribute_loss, build_detector_model
+from features.detector_train import (
+    DetectionItems,
+    DetectorTrainingError,
+    attribute_targets,
+    average_precision,
+    evaluate_detector,
+    plot_ap,
+    train_detector,
+    voc_ap_per_class,
+)
+from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
+from features.visual import RegionExtractor, build_detector, build_trunk
+from features.visual_config import DetectorConfig, GridConfig, RegionsConfig
+from features.weights import WeightsError
+
+TINY = DetectorConfig(
+    architecture="resnet18_fpn",
+    anchor_sizes=[8, 16, 32],
+    fpn_levels=3,
+    fpn_channels=16,
+    representation_size=32,
+    class_embedding=8,
+    attribute_hidden=16,
+    min_side=64,
+    max_side=64,
+    rpn_pre_nms_train=100,
+    rpn_post_nms_train=50,
+    rpn_pre_nms_test=100,
+    rpn_post_nms_test=30,
+    rpn_batch_size=32,
+    box_batch_size=16,
+    epochs=2,
+    batch_size=4,
+    lr=0.01,
+    warmup_steps=2,
+    schedule="cosine",
+    trainable_layers=5,
+    freeze_bn=False,
+    device="cpu",
+)
+QUIET = {"log": lambda m: None}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A 12/4/2 demo at 64px: its folder, manifest and detection dataset."""
+    root = tmp_path_factory.mktemp("demo")
+    build_dataset(DemoConfig(n_train=12, n_val=4, n_test=2, image_size=64), root)
+    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
+    records, _ = validate(dataset, root / "images", 5)
+    write_manifest(records, dataset, 5, root / "manifest.parquet")
+    manifest = read_manifest(root / "manifest.parquet")
+    return root, manifest, read_manifest_boxes(manifest, TINY)
+
+
+@pytest.fixture(scope="module")
+def trained(demo, tmp_path_factory):
+    root, _, data = demo
+    out = tmp_path_factory.mktemp("detector")
+    metrics = train_detector(data, root / "images", TINY, out, **QUIET)
+    return out, metrics
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def test_demo_manifest_reader(demo):
+    root, manifest, data = demo
+    assert data.classes == sorted({n for r in manifest.table.to_pylist() for n in r["box_names"]})
+    assert set(data.attributes) <= {"red", "green", "blue", "yellow", "purple", "orange"} | {
+        "small",
+        "large",
+    }
+    first = data.images[0]
+    raw = json.loads((root / "dataset.json").read_text())["images"][0]
+    np.testing.assert_allclose(first.boxes, raw["boxes"], rtol=1e-6)
+    assert first.names == raw["box_names"]
+    assert first.attributes == [[o["color"], o["size"]] for o in raw["objects"]]
+    assert {im.split for im in data.images} == {"train", "val", "test"}
+
+
+def coco_files(tmp_path, demo_root):
+    """COCO instances JSON over the demo's images: train (with a crowd and a degenerate
+    box) and val files; category ids are not contiguous, as COCO's are not."""
+    raw = json.loads((demo_root / "dataset.json").read_text())["images"]
+    names = sorted({n for im in raw for n in im["box_names"]})
+    categories = [{"id": 10 + 2 * i, "name": n} for i, n in enumerate(names)]
+    cat_id = {c["name"]: c["id"] for c in categories}
+    files = {}
+    for split in ("train", "val"):
+        images, annotations = [], []
+        for im in raw:
+            if im["split"] != split:
+                continue
+            image_id = int(im["filename"][-9:-4]) + (0 if split == "train" else 1000)
+            images.append({"id": image_id, "file_name": im["filename"], "width": 64})
+            for box, name in zip(im["boxes"], im["box_names"], strict=True):
+                x1, y1, x2, y2 = box
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": image_id,
+                        "bbox": [x1, y1, x2 - x1, y2 - y1],
+                        "category_id": cat_id[name],
+                        "iscrowd": 0,
+                    }
+                )
+        if split == "train":
+            first = images[0]["id"]
+            annotations.append(
+                {"image_id": first, "bbox": [0, 0, 9, 9], "category_id": 10, "iscrowd": 1}
+            )
+            annotations.append({"image_id": first, "bbox": [5, 5, 0, 4], "category_id": 10})
+        path = tmp_path / f"instances_{split}.json"
+        path.write_text(
+            json.dumps({"images": images, "annotations": annotations, "categories": categories})
+        )
+        files[split] = path
+    return files, names
+
+
+def test_coco_reader(tmp_path, demo):
+    root, _, data = demo
+    files, names = coco_files(tmp_path, root)
+    coco = read_coco(files["train"], files["val"], TINY)
+    assert coco.classes == names and coco.attributes == []
+    assert coco.dropped == {"crowd_boxes": 1, "degenerate_boxes": 1}
+    assert len(coco.split("train")) == 12 and len(coco.split("val")) == 4
+    by_key = {im.key: im for im in coco.images}
+    for im in data.split("train") + data.split("val"):
+        np.testing.assert_allclose(by_key[im.key].boxes, im.boxes, atol=1e-4)
+        assert by_key[im.key].names == im.names and by_key[im.key].attributes is None
+    # without a val file, a seeded hash holds out part of train
+    held = read_coco(files["train"], None, TINY.model_copy(update={"val_fraction": 0.5}))
+    assert 0 < len(held.split("val")) < 12
+    again = read_coco(files["train"], None, TINY.model_copy(update={"val_fraction": 0.5}))
+    assert [im.split for im in again.images] == [im.split for im in held.images]
+    (tmp_path / "bad.json").write_text('{"images": []}')
+    with pytest.raises(DetectionDataError, match=r"bad\.json: expected COCO instances"):
+        read_coco(tmp_path / "bad.json", None, TINY)
+
+
+def test_visual_genome_reader(tmp_path):
+    objects = [
+        {
+            "image_id": 1,
+            "objects": [
+                {"object_id": 11, "names": ["Man "], "x": 1, "y": 2, "w": 10, "h": 20},
+                {"object_id": 12, "names": ["shirt"], "x": 3, "y": 4, "w": 5, "h": 5},
+                {"object_id": 13, "names": ["unicorn"], "x": 0, "y": 0, "w": 3, "h": 3},
+            ],
+        },
+        {
+            "image_id": 2,
+            "objects": [
+                {"object_id": 21, "names": ["man"], "x": 0, "y": 0, "w": 8, "h": 8},
+                {"object_id": 22, "names": ["shirt"], "x": 0, "y": 0, "w": 0, "h": 8},
+            ],
+        },
+        {
+            "image_id": 3,
+            "objects": [{"object_id": 31, "names": ["unicorn"], "x": 0, "y": 0, "w": 4, "h": 4}],
+        },
+    ]
+    attributes = [
+        {
+            "image_id": 1,
+            "attributes": [
+                {"object_id": 11, "attributes": ["Tall", "smiling"]},
+                {"object_id": 12, "attributes": ["red", "striped", "red"]},
+            ],
+        },
+        {"image_id": 2, "attributes": [{"object_id": 21, "attributes": ["tall"]}]},
+    ]
+    (tmp_path / "objects.json").write_text(json.dumps(objects))
+    (tmp_path / "attributes.json").write_text(json.dumps(attributes))
+    (tmp_path / "images" / "VG_100K_2").mkdir(parents=True)
+    (tmp_path / "images" / "VG_100K_2" / "2.jpg").write_bytes(b"")
+    cfg = TINY.model_copy(update={"max_classes": 2, "max_attributes": 3, "val_fraction": 0.0})
+    vg = read_visual_genome(
+        tmp_path / "objects.json", tmp_path / "attributes.json", cfg, tmp_path / "images"
+    )
+    # man (2) and shirt (1) beat unicorn (2, but 'unicorn' < 'shirt' loses on... count ties
+    # break by name): man 2, unicorn 2, shirt 1 -> man, unicorn
+    assert vg.classes == ["man", "unicorn"]
+    assert vg.attributes == ["smiling", "tall"]  # tall 2; red, smiling, striped 1 -> by name
+    first = vg.images[0]
+    assert first.key == "1" and first.path == "1.jpg" and first.names == ["man", "unicorn"]
+    assert first.boxes[0] == [1.0, 2.0, 11.0, 22.0]
+    assert first.attributes == [["tall", "smiling"], []]
+    assert vg.images[1].path == "VG_100K_2/2.jpg" and vg.images[1].attributes == [["tall"]]
+    assert vg.dropped == {"degenerate_boxes": 1, "rare_class_boxes": 1}
+
+
+def test_items_are_resized_flipped_and_drop_what_cannot_train(demo):
+    root, _, data = demo
+    image = data.images[0]
+    odd = DetectionImage(
+        image.key,
+        image.path,
+        "train",
+        [[10.0, 10.0, 30.0, 20.0], [70.0, 5.0, 90.0, 9.0], [1.0, 1.0, 5.0, 5.0]],
+        [data.classes[0], data.classes[1], "not a class"],
+        [["red"], ["blue"], []],
+    )
+    cfg = TINY.model_copy(update={"min_side": 128, "max_side": 128})  # 64px images, x2
+    items = DetectionItems([odd], root / "images", cfg, data.classes, data.attributes)
+    plain = items[(0, False)]["target"]
+    assert plain["boxes"].tolist() == [[20.0, 20.0, 60.0, 40.0]]  # outside / unknown: gone
+    assert plain["labels"].tolist() == [1] and plain["attributes"].shape == (1, 9)
+    flipped = items[(0, True)]
+    assert flipped["target"]["boxes"].tolist() == [[68.0, 20.0, 108.0, 40.0]]
+    assert torch.equal(flipped["image"], items[(0, False)]["image"].flip(2))
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_attribute_loss_is_cross_entropy_with_the_uniform_target():
+    logits = torch.randn(3, 5)
+    targets = attribute_targets([["a", "c"], [], ["d"]], ["a", "b", "c", "d"], 3)
+    assert targets.tolist() == [[0, 0.5, 0, 0.5, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+    by_hand = (
+        0.5
+        * (
+            F.cross_entropy(logits[:1], torch.tensor([1]))
+            + F.cross_entropy(logits[:1], torch.tensor([3]))
+        )
+        + F.cross_entropy(logits[1:2], torch.tensor([0]))
+        + F.cross_entropy(logits[2:], torch.tensor([4]))
+    ) / 3
+    torch.testing.assert_close(attribute_loss(logits, targets), by_hand)
+
+
+def test_training_forward_has_the_attribute_term(demo):
+    root, _, data = demo
+    torch.manual_seed(0)
+    model = build_detector_model(TINY, len(data.classes) + 1, len(data.attributes)).train()
+    images = torch.randn(2, 3, 64, 64)
+    from torchvision.models.detection.image_list import ImageList
+
+    batch = ImageList(images, [(64, 64)] * 2)
+    targets = [
+        {
+            "boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]),
+            "labels": torch.tensor([1]),
+            "attributes": attribute_targets([["red", "small"]], data.attributes, 1),
+        }
+    ] * 2
+    features = model.backbone(images)
+    assert list(features) == ["0", "1", "2"]  # P2..P4
+    proposals, rpn_losses = model.rpn(batch, features, targets)
+    _, losses = model.roi_heads(features, proposals, batch.image_sizes, targets)
+    assert set(losses) == {"loss_classifier", "loss_box_reg", "loss_attribute"}
+    assert set(rpn_losses) == {"loss_objectness", "loss_rpn_box_reg"}
+    assert torch.isfinite(losses["loss_attribute"])
+
+
+def test_image_head_learns_class_cover_and_attributes(demo):
+    """The demo's stand-in for ImageNet pretraining, on pooled conv5: softmax
+    cross-entropy against the area-weighted class distribution, BCE on attributes."""
+    from features.detector_train import _losses
+
+    root, _, data = demo
+    cfg = TINY.model_copy(update={"image_loss_weight": 1.0})
+    torch.manual_seed(0)
+    model = build_detector_model(cfg, len(data.classes) + 1, len(data.attributes)).train()
+    items = DetectionItems(data.split("train"), root / "images", cfg, data.classes, data.attributes)
+    batch = [items[(i, False)] for i in range(2)]
+    losses = _losses(model, [b["image"] for b in batch], [b["target"] for b in batch], cfg)
+    conv5 = model.backbone.body(torch.stack([b["image"] for b in batch]))["3"]
+    logits = model.image_head(conv5)  # (2, classes + attributes)
+    n = len(data.classes)
+    cover, present = torch.zeros(2, n), torch.zeros(2, len(data.attributes))
+    for i, record in enumerate(data.split("train")[:2]):
+        for box, name, attrs in zip(record.boxes, record.names, record.attributes, strict=True):
+            cover[i, data.classes.index(name)] += (box[2] - box[0]) * (box[3] - box[1])
+            for a in attrs:
+                present[i, data.attributes.index(a)] = 1
+    cover /= cover.sum(dim=1, keepdim=True)
+    expected = -(cover * F.log_softmax(logits[:, :n], dim=1)).sum(1).mean()
+    expected = expected + F.binary_cross_entropy_with_logits(logits[:, n:], present)
+    torch.testing.assert_close(losses["loss_image"], expected)
+    with pytest.raises(ValueError, match="image_loss_weight needs an FPN"):
+        DetectorConfig(architecture="resnet18_c4", image_loss_weight=1.0)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_checkpoint_is_plain_data_and_regions_and_grid_load_it(demo, trained):
+    root, manifest, data = demo
+    out, metrics = trained
+    ckpt = torch.load(out / "detector.pt", weights_only=True)
+    assert ckpt["format"] == "vse-detector" and ckpt["version"] == 1
+    assert ckpt["classes"] == data.classes and ckpt["attributes"] == data.attributes
+    assert ckpt["config"]["architecture"] == "resnet18_fpn"
+    assert any(k.startswith("roi_heads.attribute_head.") for k in ckpt["state_dict"])
+    # regions: architecture, classes and the attribute head come from the checkpoint
+    cfg = RegionsConfig(
+        weights=str(out / "detector.pt"),
+        min_side=64,
+        max_side=64,
+        proposals=20,
+        min_boxes=1,
+        max_boxes=5,
+        num_workers=0,
+    )
+    model = build_detector(cfg)
+    assert model.roi_heads.box_predictor.cls_score.out_features == len(data.classes) + 1
+    assert model.rpn.post_nms_top_n() == 20  # regions.proposals overrides the checkpoint
+    for key, value in ckpt["state_dict"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    extractor = RegionExtractor(model, cfg, torch.device("cpu"))
+    row = manifest.table.to_pylist()[0]
+    from PIL import Image
+
+    image = Image.open(root / "images" / row["path"]).convert("RGB")
+    out_row = extractor([extractor.prepare(image, row)])[0]
+    assert out_row["features"].shape == (5, 32) and 1 <= out_row["n_regions"] <= 5
+    with pytest.raises(WeightsError) as err:
+        build_detector(cfg.model_copy(update={"architecture": "resnet50_c4"}))
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("regions.architecture is 'resnet50_c4' but ")
+    with pytest.raises(WeightsError, match=r"^regions\.num_classes is 5 but .* says 7"):
+        build_detector(cfg.model_copy(update={"num_classes": 5}))
+    # grid: the detector's trunk, resnet18 at full depth (512-d conv5)
+    trunk = build_trunk(GridConfig(weights=str(out / "detector.pt")))
+    assert trunk.architecture == "resnet18" and trunk.dim == 512
+    assert torch.equal(trunk.layer4[1].conv2.weight, model.backbone.body.layer4[1].conv2.weight)
+    with pytest.raises(WeightsError, match=r"^grid\.architecture is 'resnet50' but .*resnet18"):
+        build_trunk(GridConfig(architecture="resnet50", weights=str(out / "detector.pt")))
+
+
+def test_metrics_are_plain_deterministic_data(trained, demo, tmp_path):
+    root, _, data = demo
+    out, metrics = trained
+    assert metrics["val_images"] == 4 and metrics["train_images"] == 12
+    for key in ("map50", "recall", "proposal_recall", "class_accuracy", "attribute_accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    assert set(metrics["ap50"]) <= set(data.classes)
+    text = json.dumps(metrics)
+    assert "second" not in text and "/s" not in text  # no timings
+    plot_ap(metrics, tmp_path / "a.png")
+    plot_ap(metrics, tmp_path / "b.png")
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+def test_voc_ap_by_hand():
+    assert average_precision(np.array([0.5, 1.0]), np.array([1.0, 0.5])) == pytest.approx(0.75)
+    box = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
+    truths = [
+        {"boxes": box, "labels": torch.tensor([1])},
+        {"boxes": box, "labels": torch.tensor([1])},
+    ]
+    detections = [
+        {
+            "boxes": torch.cat([box, box]),
+            "labels": torch.tensor([1, 1]),
+            "scores": torch.tensor([0.9, 0.8]),
+        },  # the duplicate is a false positive
+        {"boxes": box + 50, "labels": torch.tensor([1]), "scores": torch.tensor([0.95])},
+    ]
+    # ranked: miss (0.95), hit (0.9), duplicate (0.8): precision 0, 1/2, 1/3; recall 0, .5, .5
+    assert voc_ap_per_class(detections, truths, 3, 0.5) == {1: pytest.approx(0.25)}
+
+
+def test_a_coco_file_trains_a_detector_without_attributes(tmp_path, demo):
+    root, _, _ = demo
+    files, names = coco_files(tmp_path, root)
+    coco = read_coco(files["train"], files["val"], TINY)
+    cfg = TINY.model_copy(update={"epochs": 1})
+    metrics = train_detector(coco, root / "images", cfg, tmp_path / "out", **QUIET)
+    assert "attribute_accuracy" not in metrics and metrics["data"]["dataset"] == "coco"
+    ckpt = torch.load(tmp_path / "out" / "detector.pt", weights_only=True)
+    assert ckpt["attributes"] == [] and ckpt["classes"] == names
+    assert not any(k.startswith("roi_heads.attribute_head.") for k in ckpt["state_dict"])
+    path = str(tmp_path / "out" / "detector.pt")
+    model = build_detector(RegionsConfig(weights=path, proposals=cfg.rpn_post_nms_test))
+    found = evaluate_detector(model, coco.split("val"), root / "images", cfg, names, [])
+    assert found["map50"] == metrics["map50"]
+
+
+def test_too_little_data_is_one_line(tmp_path, demo):
+    root, _, data = demo
+    with pytest.raises(DetectorTrainingError, match="cannot fill one batch of 64"):
+        train_detector(
+            data, root / "images", TINY.model_copy(update={"batch_size": 64}), tmp_path, **QUIET
+        )
+
+
+JOB = """
+import sys
+from pathlib import Path
+from features.detection_data import read_manifest_boxes
+from features.detector_train import train_detector
+from features.ingest import read_manifest
+from features.visual_config import DetectorConfig
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+cfg = DetectorConfig.model_validate_json(sys.argv[3])
+data = read_manifest_boxes(read_manifest(root / "manifest.parquet"), cfg)
+train_detector(data, root / "images", cfg, out, resume="--resume" in sys.argv, log=print)
+"""
+
+
+def test_same_inputs_same_bytes_and_a_killed_run_resumes_exactly(demo, trained, tmp_path):
+    """Two runs give byte-identical checkpoints; a run killed after its first epoch,
+    rerun with --resume, ends with the same detector.pt bytes as an uninterrupted one."""
+    root, _, data = demo
+    first, _ = trained
+    again = tmp_path / "again"
+    train_detector(data, root / "images", TINY, again, **QUIET)
+    assert (again / "detector.pt").read_bytes() == (first / "detector.pt").read_bytes()
+    assert (again / "last.pt").read_bytes() == (first / "last.pt").read_bytes()
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cfg = TINY.model_copy(update={"epochs": 3})
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    run = [sys.executable, "-W", "ignore", "-c", JOB, str(root)]
+    subprocess.run(
+        [*run, str(clean), cfg.model_dump_json()], check=True, env=env, capture_output=True
+    )
+    proc = subprocess.Popen(
+        [*run, str(killed), cfg.model_dump_json()], env=env, stdout=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while not (killed / "last.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "detector.pt").exists()
+    done = torch.load(killed / "last.pt", weights_only=True)["epoch"]
+    assert done < 2
+    resumed = subprocess.run(
+        [*run, str(killed), cfg.model_dump_json(), "--resume"],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert f"resuming from {killed / 'last.pt'} after epoch {done}" in resumed.stdout
+    assert (killed / "detector.pt").read_bytes() == (clean / "detector.pt").read_bytes()
+    # another config refuses to resume
+    with pytest.raises(DetectorTrainingError, match="another config"):
+        train_detector(
+            data, root / "images", cfg.model_copy(update={"lr": 0.5}), killed, resume=True, **QUIET
+        )
