@@ -270,3 +270,20 @@ def test_a_non_finite_input_is_refused_naming_the_store_field_and_key(tmp_path):
     with pytest.raises(NonFiniteError, match=r"regions.zarr: field 'features' of 'img004'"):
         data.build("pair", np.concatenate([[0], captions]))
     data.build("pair", np.array([0, 1]))  # the other samples are fine
+
+
+def test_a_dimension_dead_on_train_cannot_dominate_a_standardised_test_image():
+    """A ReLU unit that never fires on train has std ~0; floored at a tenth of the typical
+    std, its value on a test image is scaled like a 10x-quieter dimension, not by 1/eps."""
+    from models.data import floored_std
+
+    rng = np.random.default_rng(0)
+    train = np.abs(rng.normal(size=(500, 64)))
+    train[:, :5] = 0.0  # dead on train
+    std = floored_std(train.std(0, ddof=1))
+    typical = np.sqrt(np.mean(np.square(train.std(0, ddof=1))))
+    assert np.allclose(std[:5], 0.1 * typical)
+    np.testing.assert_array_equal(std[5:], train.std(0, ddof=1)[5:])  # the rest untouched
+    test = np.abs(rng.normal(size=64))  # the dead units fire at test time
+    z = (test - train.mean(0)) / std
+    assert np.abs(z[:5]).max() <= 10 * test[:5].max() / typical + 1e-9
