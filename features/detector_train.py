@@ -54,6 +54,7 @@ from features.detector import (
 from features.device import resolve_device
 from features.files import atomic_path, save_torch, write_json
 from features.images import BadImage, load_image
+from features.resume import restore_training, training_state
 from features.visual import batch_images, resize_for_detection, to_tensor
 from features.visual_config import DetectorConfig
 from features.weights import checkpoint_kind, describe, load_exact, read_checkpoint, trunk_state
@@ -323,19 +324,9 @@ def _train(
     start = 0
     last_path = out_dir / LAST
     if resume and last_path.exists():
-        ckpt = torch.load(last_path, map_location=device, weights_only=True)
-        for key, value in identity.items():
-            if ckpt.get(key) != value:
-                raise DetectorTrainingError(
-                    f"{last_path}: was trained with another {key}; delete it or train "
-                    "without --resume"
-                )
-        model.load_state_dict(ckpt["state_dict"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        ckpt = restore_training(
+            last_path, identity, model, optimizer, scheduler, device, DetectorTrainingError
+        )
         history, start = ckpt["history"], ckpt["epoch"] + 1
         log(f"detector: resuming from {last_path} after epoch {ckpt['epoch']}")
     elif resume:
@@ -393,17 +384,11 @@ def _train(
         row["lr"] = optimizer.param_groups[0]["lr"]
         history.append(row)
         seconds = time.perf_counter() - tick
-        rng = {"torch": torch.get_rng_state()}
-        if device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state_all()
         out_dir.mkdir(parents=True, exist_ok=True)
         save_torch(
             {
                 **identity,
-                "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng,
+                **training_state(model, optimizer, scheduler, device),
                 "epoch": epoch,
                 "history": history,
             },

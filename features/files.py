@@ -39,6 +39,7 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         if directory:
+            os.chmod(tmp, 0o755)  # mkdtemp makes folders 0700
             replace_dir(tmp, path)
         else:
             os.chmod(tmp, 0o644)  # mkstemp makes files 0600

@@ -31,6 +31,7 @@ from torch import nn
 from features.config import Section, UserError
 from features.device import resolve_device
 from features.files import save_torch
+from features.resume import restore_training, training_state
 from models.common import TrainConfig, autocast
 from models.data import DataInfo
 
@@ -210,19 +211,9 @@ def train(
         "info": train_data.info.to_dict(),
     }
     if resume and last_path.exists():
-        ckpt = torch.load(last_path, map_location=device, weights_only=True)
-        for key in ("model", "config", "info"):
-            if ckpt[key] != identity[key]:
-                raise TrainingError(
-                    f"{last_path}: was trained with another {key} ({key} differs); "
-                    "delete it or train without --resume"
-                )
-        model.load_state_dict(ckpt["state_dict"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        ckpt = restore_training(
+            last_path, identity, model, optimizer, scheduler, device, TrainingError
+        )
         history, best_rsum, start = ckpt["history"], ckpt["best_rsum"], ckpt["epoch"] + 1
         log(f"resuming {name} from {last_path} after epoch {ckpt['epoch']}")
     elif resume:
@@ -263,17 +254,11 @@ def train(
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
                 if improved:
                     save_torch({**identity, "state_dict": state, "epoch": epoch}, best_path)
-                rng = {"torch": torch.get_rng_state()}
-                if device.type == "cuda":
-                    rng["cuda"] = torch.cuda.get_rng_state_all()
                 save_torch(
                     {
                         **identity,
                         "version": CHECKPOINT_VERSION,
-                        "state_dict": state,
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "rng": rng,
+                        **training_state(model, optimizer, scheduler, device),
                         "epoch": epoch,
                         "history": history,
                         "best_rsum": best_rsum,

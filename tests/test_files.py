@@ -168,3 +168,14 @@ def test_temporary_names_are_unique_and_stale_ones_are_swept(tmp_path):
     sweep_stale(out)
     write_text(out, "c")
     assert out.read_text() == "c"
+
+
+def test_atomic_outputs_are_readable_by_the_team(tmp_path):
+    """mkstemp/mkdtemp make 0600 files and 0700 folders; outputs shared through DVC and
+    file systems are 0644 and 0755 once in place."""
+    with atomic_path(tmp_path / "out.json") as tmp:
+        tmp.write_text("{}")
+    with atomic_path(tmp_path / "folder", directory=True) as tmp:
+        (tmp / "a.png").write_bytes(b"x")
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "folder").stat().st_mode & 0o777 == 0o755

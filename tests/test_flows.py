@@ -23,7 +23,8 @@ def test_dag_order_puts_dependencies_first(repo_root):
     order = dag_order(repo_root)
     assert order.index("demo-data") < order.index("prepare") < order.index("regions")
     assert order.index("grid") < order.index("global") < order.index("train@vsepp")
-    assert set(dag_order(repo_root, ["global"])) == {"demo-data", "prepare", "grid", "global"}
+    upstream = {"demo-data", "prepare", "detector", "grid", "global"}
+    assert set(dag_order(repo_root, ["global"])) == upstream
     with pytest.raises(ValueError, match="unknown DVC stage"):
         dag_order(repo_root, ["nope"])
 
