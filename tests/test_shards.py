@@ -9,6 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from local_s3 import local_s3
 from store_data import make_stores
 
 from features.ingest import read_manifest
@@ -181,35 +182,13 @@ def test_training_from_shards_resumes_exactly(packed, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 
 def test_streams_from_s3(packed):
     """Shards built straight to a local S3 endpoint (moto) stream the same batches."""
-    import socket
-
-    import boto3
-
     root, paths, manifest, _ = packed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        options = {
-            "endpoint_url": f"http://127.0.0.1:{port}",
-            "key": "test",
-            "secret": "test",
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-        boto3.client(
-            "s3",
-            endpoint_url=options["endpoint_url"],
-            aws_access_key_id="test",
-            aws_secret_access_key="test",
-            region_name="us-east-1",
-        ).create_bucket(Bucket="shards")
+    with local_s3("shards") as options:
         stores = {"regions": Store.open(paths.regions), "grid": Store.open(paths.grid)}
         build_shards(
             manifest,
@@ -224,8 +203,6 @@ def test_streams_from_s3(packed):
         local = ShardData(str(root / "out"), data, CFG)
         for a, b in zip(epoch(remote, CFG, 0), epoch(local, CFG, 0), strict=True):
             assert all(torch.equal(a[k], b[k]) for k in a)
-    finally:
-        server.stop()
 
 
 def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):

@@ -1,6 +1,5 @@
 """Stores opened read-only from S3, against a local S3 endpoint (moto) on 127.0.0.1."""
 
-import socket
 import sys
 from pathlib import Path
 
@@ -12,39 +11,21 @@ from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
+from local_s3 import local_s3  # noqa: E402
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "key": "test",
-        "secret": "test",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-    import boto3
     import s3fs
 
-    boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="stores")
-    fs = s3fs.S3FileSystem(**options)
-    local = tmp_path_factory.mktemp("local") / "regions.zarr"
-    job.run(local, "regions", 30, 8)
-    fs.put(str(local), "stores/regions.zarr", recursive=True)
-    yield fs, options, local
-    server.stop()
+    with local_s3("stores") as options:
+        fs = s3fs.S3FileSystem(**options)
+        local = tmp_path_factory.mktemp("local") / "regions.zarr"
+        job.run(local, "regions", 30, 8)
+        fs.put(str(local), "stores/regions.zarr", recursive=True)
+        yield fs, options, local
 
 
 def test_open_read_and_verify_from_s3(s3):
