@@ -75,6 +75,18 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _add_fields(tar, prefix: str, store, rows: list[int]) -> None:
+    """Every field of ``store`` at ``rows`` as members ``<prefix>.<field>.npy`` (ragged
+    fields flat, with ``<prefix>.<field>_offsets.npy``)."""
+    for field_name, values in store.read_indices(rows).items():
+        if store.fields[field_name].ragged:
+            flat, offsets = _flat(values, store.fields[field_name])
+            _add(tar, f"{prefix}.{field_name}.npy", _npy(flat))
+            _add(tar, f"{prefix}.{field_name}_offsets.npy", _npy(offsets))
+        else:
+            _add(tar, f"{prefix}.{field_name}.npy", _npy(values))
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     """A member with fixed metadata, so identical inputs give identical bytes."""
     info = tarfile.TarInfo(name)
@@ -233,23 +245,10 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
             _add(tar, f"{key}.meta.json", json.dumps(meta, sort_keys=True).encode())
             image_keys = [r["key"] for r in group]
             for name, store in stores.items():
-                data = store.read_indices([store.index(k) for k in image_keys])
-                for field_name, values in data.items():
-                    if store.fields[field_name].ragged:
-                        flat, offsets = _flat(values, store.fields[field_name])
-                        _add(tar, f"{key}.{_safe(name)}.{field_name}.npy", _npy(flat))
-                        _add(tar, f"{key}.{_safe(name)}.{field_name}_offsets.npy", _npy(offsets))
-                    else:
-                        _add(tar, f"{key}.{_safe(name)}.{field_name}.npy", _npy(values))
+                rows = [store.index(k) for k in image_keys]
+                _add_fields(tar, f"{key}.{_safe(name)}", store, rows)
             if text is not None:
-                data = text.read_indices([caption_rows[c] for c in captions])
-                for field_name, values in data.items():
-                    if text.fields[field_name].ragged:
-                        flat, offsets = _flat(values, text.fields[field_name])
-                        _add(tar, f"{key}.text.{field_name}.npy", _npy(flat))
-                        _add(tar, f"{key}.text.{field_name}_offsets.npy", _npy(offsets))
-                    else:
-                        _add(tar, f"{key}.text.{field_name}.npy", _npy(values))
+                _add_fields(tar, f"{key}.text", text, [caption_rows[c] for c in captions])
             counts["captions"] += len(captions)
             counts["groups"] += 1
     return counts

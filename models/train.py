@@ -251,14 +251,15 @@ def train(
                 improved = val["rsum"] > best_rsum
                 best_rsum = max(best_rsum, val["rsum"])
                 out_dir.mkdir(parents=True, exist_ok=True)
-                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+                state = training_state(model, optimizer, scheduler, device)
                 if improved:
-                    save_torch({**identity, "state_dict": state, "epoch": epoch}, best_path)
+                    weights = {"state_dict": state["state_dict"], "epoch": epoch}
+                    save_torch({**identity, **weights}, best_path)
                 save_torch(
                     {
                         **identity,
                         "version": CHECKPOINT_VERSION,
-                        **training_state(model, optimizer, scheduler, device),
+                        **state,
                         "epoch": epoch,
                         "history": history,
                         "best_rsum": best_rsum,
