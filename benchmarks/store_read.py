@@ -46,11 +46,13 @@ class MemmapBatches(IterableDataset):
 SAMPLE_BYTES = R * D * 2
 
 
-def measure(readers: dict, rounds: int) -> dict[str, float]:
+def measure(readers: dict, rounds: int, log=lambda message: None) -> dict[str, float]:
     """Best samples/s of each reader over ``rounds`` interleaved passes, after one untimed
-    pass each (warm page cache); interleaving spreads machine noise over all readers."""
-    for read in readers.values():
+    pass each (warm page cache); interleaving spreads machine noise over all readers.
+    Shared by ``train_input.py``."""
+    for name, read in readers.items():
         read()
+        log(f"  warmed up: {name}")
     best = dict.fromkeys(readers, 0.0)
     for _ in range(rounds):
         for name, read in readers.items():

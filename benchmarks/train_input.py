@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from store_read import measure  # benchmarks/ is on the path when run as a script
 from torch.utils.data import DataLoader, Dataset
 
 from features.ingest import Dataset as Records
@@ -210,21 +211,6 @@ def collate_fn(items):
 # --------------------------------------------------------------------------- timing
 
 
-def measure(readers: dict, rounds: int, log=print) -> dict[str, float]:
-    """Best samples/s of each reader over ``rounds`` alternating passes (one warm-up
-    pass each first)."""
-    for name, read in readers.items():
-        read()
-        log(f"  warmed up: {name}")
-    best = dict.fromkeys(readers, 0.0)
-    for _ in range(rounds):
-        for name, read in readers.items():
-            start = time.perf_counter()
-            n = read()
-            best[name] = max(best[name], n / (time.perf_counter() - start))
-    return best
-
-
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -338,7 +324,7 @@ def run_model(model: str, paths: FeaturePaths, root: Path, args) -> None:
         "ours from WebDataset shards, 2 workers": shards(2),
     }
     print(f"\n{model}: regions + {text}, batch {batch}, {k} batches per pass, {load()}")
-    results = measure(readers, args.rounds)
+    results = measure(readers, args.rounds, log=print)
     for stream in streams.values():
         stream.close()
     base = results["memmap gather + float32 + padding (baseline)"]
