@@ -7,7 +7,7 @@ export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install install-dev demo test lint
+.PHONY: install install-dev demo test lint mutation
 
 install: $(VENV)/.installed        # what the demo needs
 
@@ -33,3 +33,7 @@ test: install-dev
 
 lint: install-dev
 	ruff check flows features models tests benchmarks
+
+mutation: install-dev  # slow (about an hour on 2 cores), not in CI: tests/mutation.py
+	$(BIN)/python -m pip install -e '.[dev,mutation]'
+	$(BIN)/python tests/mutation.py
