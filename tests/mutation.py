@@ -113,9 +113,8 @@ def report(statuses: dict[str, str], patterns: list[str], min_score: float) -> i
         n = sum(c.values())
         scored = c["killed"] + c["survived"]
         score = 100.0 * c["killed"] / scored if scored else 100.0
-        print(
-            f"{mod:28} {n:8d} {c['killed']:7d} {c['equivalent']:7d} {c['survived']:9d} {score:5.1f}%"
-        )
+        row = f"{c['killed']:7d} {c['equivalent']:7d} {c['survived']:9d} {score:5.1f}%"
+        print(f"{mod:28} {n:8d} {row}")
     scored = total["killed"] + total["survived"]
     score = 100.0 * total["killed"] / scored if scored else 100.0
     print(
