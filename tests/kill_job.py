@@ -1,5 +1,5 @@
 """SIGKILL a `vse` command at chosen moments, in forked copies of one interpreter (the
-imports are paid once, so many kills take seconds).
+imports are paid once, so many kills take seconds; two at a time where two CPUs are).
 
 usage: python kill_job.py SPEC.json
 
@@ -80,23 +80,46 @@ def child(argv: list[str], kill_at, kill_open, count_file: str | None) -> None:
     os._exit(code)
 
 
-def run(argv, kill_at=None, count_file=None, kill_open=None) -> str:
+def start(argv, kill_at=None, count_file=None, kill_open=None) -> int:
     pid = os.fork()
     if pid == 0:
         try:
             child(argv, kill_at, kill_open, count_file)
         finally:
             os._exit(99)
-    status = os.waitpid(pid, 0)[1]
+    return pid
+
+
+def state(status: int) -> str:
     if os.WIFSIGNALED(status):
         return "killed"
     return f"exit {os.waitstatus_to_exitcode(status)}"
+
+
+def run_all(jobs: list[tuple], parallel: int) -> dict[str, str]:
+    """Each ``(name, argv, kill_at, kill_open)``, ``parallel`` at a time (the runs share
+    nothing but their read-only inputs): ``{name: state}`` in the order of ``jobs``."""
+    states, running = {}, {}
+
+    def reap() -> None:
+        pid, status = os.wait()
+        if pid in running:
+            states[running.pop(pid)] = state(status)
+
+    for name, argv, kill_at, kill_open in jobs:
+        while len(running) >= parallel:
+            reap()
+        running[start(argv, kill_at, kill_open=kill_open)] = name
+    while running:
+        reap()
+    return {job[0]: states[job[0]] for job in jobs}
 
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     base = spec["base"]
     preload(spec.get("preload", []), "--params" in spec["argv"])
+    parallel = min(2, len(os.sched_getaffinity(0)))
 
     def argv_for(name, over):
         folder = os.path.join(base, name)
@@ -110,14 +133,14 @@ def main() -> None:
     count_file = os.path.join(base, "counts.txt")
     for mode, prefix in (("clean", ""), ("over", "over-")):
         over = mode == "over"
-        runs[mode] = run(argv_for(mode, over), count_file=count_file)
+        runs[mode] = state(os.waitpid(start(argv_for(mode, over), count_file=count_file), 0)[1])
         renames, opens = map(int, open(count_file).read().split())
         os.unlink(count_file)
         counts[mode] = [renames, opens]
-        for k in range(renames):
-            runs[f"{prefix}rename-{k}"] = run(argv_for(f"{prefix}rename-{k}", over), kill_at=k)
-        for k in range(opens):
-            runs[f"{prefix}open-{k}"] = run(argv_for(f"{prefix}open-{k}", over), kill_open=k)
+        jobs = [(f"{prefix}rename-{k}", k, None) for k in range(renames)]
+        jobs += [(f"{prefix}open-{k}", None, k) for k in range(opens)]
+        jobs = [(name, argv_for(name, over), at, op) for name, at, op in jobs]
+        runs.update(run_all(jobs, parallel))
     print(json.dumps({"counts": counts, "runs": runs}))
 
 

@@ -38,6 +38,8 @@ def session(pytester, monkeypatch):
         "from strict_skips import pytest_collection_modifyitems, pytest_configure  # noqa"
     )
 
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # hypothesis, zarr ...: not needed
+
     def run(strict: str | None, *args: str, **files):
         if strict is None:
             monkeypatch.delenv("VSE_STRICT_SKIPS", raising=False)
