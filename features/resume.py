@@ -38,8 +38,9 @@ def restore_training(
     """Load ``path`` (``weights_only``), check that it was trained with the same
     ``identity`` (model, config, data; one line naming what differs, else ``error``),
     restore what :func:`training_state` saved and return the checkpoint (its epoch,
-    history and other fields)."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
+    history and other fields). Loaded onto the CPU: the RNG states must stay there (torch
+    refuses a state on the GPU), and the model and optimizer copy theirs to ``device``."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
     for key, value in identity.items():
         if ckpt.get(key) != value:
             raise error(

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from strict_skips import pytest_collection_modifyitems, pytest_configure  # noqa: F401
+
+pytest_plugins = ["pytester"]  # tests/test_strict_skips.py runs pytest sessions of its own
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

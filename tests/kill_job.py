@@ -1,31 +1,29 @@
 """SIGKILL a `vse` command at chosen moments, in forked copies of one interpreter (the
-imports are paid once, so many kills take seconds).
+imports are paid once, so many kills take seconds; two at a time where two CPUs are).
 
 usage: python kill_job.py SPEC.json
 
-SPEC: {"argv": [...], "base": folder, "fractions": [..], "max_points": n, "preload":
-[modules]}. ``{dir}`` in
-``argv`` is replaced by each run's own folder under ``base``:
+SPEC: {"argv": [...], "base": folder, "preload": [modules]}. ``{dir}`` in ``argv`` is
+replaced by each run's own folder under ``base``:
 
-- ``clean``: a run to completion, timed, counting the renames that put files in place;
-- ``rename-K``: killed just before its K-th rename (every rename, or ``max_points`` of
-  them evenly spread): each moment between two atomic writes;
-- ``open-K``: killed just after its K-th ``open()`` of a file for writing (so that file
-  exists, empty: what a writer that does not write aside leaves half-written), spread
-  likewise;
-- ``time-F``: killed F x the clean run's duration after its start (mid-write moments);
-- ``old-F``: the same, over a complete earlier output (which must survive or be replaced
-  whole).
+- ``clean``: a run to completion into an empty folder, counting its renames (what puts
+  files in place) and its opens of files for writing;
+- ``rename-K``: killed just before its K-th rename, for every K: each moment between two
+  atomic writes;
+- ``open-K``: killed just after its K-th ``open()`` of a file for writing, for every K (so
+  that file exists, empty: what a writer that does not write aside leaves half-written);
+- ``over``, ``over-rename-K``, ``over-open-K``: the same over a complete earlier output
+  (a copy of ``clean``'s folder), which must survive or be replaced whole.
 
-Prints one JSON line: ``{"renames": n, "opens": n, "seconds": s, "runs": {name: state}}``
-with state "killed" or "exit N".
+Prints one JSON line: ``{"counts": {"clean": [renames, opens], "over": [...]}, "runs":
+{name: state}}`` with state "killed" or "exit N".
 """
 
 import json
 import os
+import shutil
 import signal
 import sys
-import time
 
 
 def preload(modules: list[str], params: bool) -> None:
@@ -82,60 +80,68 @@ def child(argv: list[str], kill_at, kill_open, count_file: str | None) -> None:
     os._exit(code)
 
 
-def run(argv, kill_at=None, kill_after=None, count_file=None, kill_open=None) -> str:
+def start(argv, kill_at=None, count_file=None, kill_open=None) -> int:
     pid = os.fork()
     if pid == 0:
         try:
             child(argv, kill_at, kill_open, count_file)
         finally:
             os._exit(99)
-    if kill_after is not None:
-        deadline = time.monotonic() + kill_after
-        while time.monotonic() < deadline:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return "exit early"
-            time.sleep(0.002)
-        os.kill(pid, signal.SIGKILL)
-    status = os.waitpid(pid, 0)[1]
+    return pid
+
+
+def state(status: int) -> str:
     if os.WIFSIGNALED(status):
         return "killed"
     return f"exit {os.waitstatus_to_exitcode(status)}"
+
+
+def run_all(jobs: list[tuple], parallel: int) -> dict[str, str]:
+    """Each ``(name, argv, kill_at, kill_open)``, ``parallel`` at a time (the runs share
+    nothing but their read-only inputs): ``{name: state}`` in the order of ``jobs``."""
+    states, running = {}, {}
+
+    def reap() -> None:
+        pid, status = os.wait()
+        if pid in running:
+            states[running.pop(pid)] = state(status)
+
+    for name, argv, kill_at, kill_open in jobs:
+        while len(running) >= parallel:
+            reap()
+        running[start(argv, kill_at, kill_open=kill_open)] = name
+    while running:
+        reap()
+    return {job[0]: states[job[0]] for job in jobs}
 
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     base = spec["base"]
     preload(spec.get("preload", []), "--params" in spec["argv"])
+    parallel = min(2, len(os.sched_getaffinity(0)))
 
-    def argv_for(name):
+    def argv_for(name, over):
         folder = os.path.join(base, name)
-        os.makedirs(folder, exist_ok=True)
+        if over:  # a complete earlier output in place
+            shutil.copytree(os.path.join(base, "clean"), folder)
+        else:
+            os.makedirs(folder)
         return [a.replace("{dir}", folder) for a in spec["argv"]]
 
-    runs = {}
-    count_file = os.path.join(base, "renames.txt")
-    start = time.monotonic()
-    runs["clean"] = run(argv_for("clean"), count_file=count_file)
-    seconds = time.monotonic() - start
-    renames, opens = map(int, open(count_file).read().split())
-    os.unlink(count_file)
-
-    def spread(count):
-        n = spec.get("max_points", count)
-        if count <= n:
-            return list(range(count))
-        return sorted({round(i * (count - 1) / (n - 1)) for i in range(n)})
-
-    for k in spread(renames):
-        runs[f"rename-{k}"] = run(argv_for(f"rename-{k}"), kill_at=k)
-    for k in spread(opens):
-        runs[f"open-{k}"] = run(argv_for(f"open-{k}"), kill_open=k)
-    for f in spec.get("fractions", []):
-        runs[f"time-{f}"] = run(argv_for(f"time-{f}"), kill_after=f * seconds)
-        old = argv_for(f"old-{f}")
-        run(old)
-        runs[f"old-{f}"] = run(old, kill_after=f * seconds)
-    print(json.dumps({"renames": renames, "opens": opens, "seconds": seconds, "runs": runs}))
+    runs, counts = {}, {}
+    count_file = os.path.join(base, "counts.txt")
+    for mode, prefix in (("clean", ""), ("over", "over-")):
+        over = mode == "over"
+        runs[mode] = state(os.waitpid(start(argv_for(mode, over), count_file=count_file), 0)[1])
+        renames, opens = map(int, open(count_file).read().split())
+        os.unlink(count_file)
+        counts[mode] = [renames, opens]
+        jobs = [(f"{prefix}rename-{k}", k, None) for k in range(renames)]
+        jobs += [(f"{prefix}open-{k}", None, k) for k in range(opens)]
+        jobs = [(name, argv_for(name, over), at, op) for name, at, op in jobs]
+        runs.update(run_all(jobs, parallel))
+    print(json.dumps({"counts": counts, "runs": runs}))
 
 
 if __name__ == "__main__":

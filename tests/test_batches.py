@@ -225,6 +225,39 @@ def test_device_batches_are_finished_on_the_device(paths):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_workers,prefetch", MODES)
+def test_cuda_batches_leave_pinned_memory_and_equal_the_host_batches(
+    paths, monkeypatch, num_workers, prefetch
+):
+    """On CUDA every array reaches the device from pinned memory (what makes the
+    ``non_blocking`` copy asynchronous), and the batch finished there equals the one
+    finished on the host."""
+    import models.batches
+
+    pinned = []
+
+    def recording(batch, device):
+        pinned.extend((k, v.is_pinned()) for k, v in batch.items() if torch.is_tensor(v))
+        return to_device(batch, device)
+
+    monkeypatch.setattr(models.batches, "to_device", recording)
+    data = PairData(paths, "train", ALL)
+    data.standardize(data.feature_stats())
+    tasks = [("pair", np.arange(8)), ("image", np.arange(4)), ("text", np.arange(5))]
+    seen = 0
+    with Batches(data, "cuda", num_workers=num_workers, prefetch=prefetch) as batches:
+        for (kind, index), batch in zip(tasks, batches.run(tasks), strict=True):
+            want = getattr(data, f"{kind}_batch")(index)
+            assert batch.keys() == want.keys()
+            for key, value in want.items():
+                assert batch[key].device.type == "cuda", key
+                torch.testing.assert_close(batch[key].cpu(), value, msg=key)
+            seen += 1
+    assert seen == len(tasks)
+    assert pinned and all(is_pinned for _, is_pinned in pinned), pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_steps_do_not_synchronise(tmp_path):
     """On CUDA, with sync debugging on, the training loop's own host-device syncs in an
     epoch do not grow with its number of steps (the models' own are not counted)."""

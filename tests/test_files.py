@@ -1,7 +1,7 @@
-"""Atomic outputs: every writer, SIGKILLed at any moment (before each rename that puts a
-file in place, and at moments spread over its run), leaves each output absent, as it was,
-or whole; a rerun ends with exactly the uninterrupted result and sweeps what the killed
-run left aside."""
+"""Atomic outputs: every writer, SIGKILLed before each of its renames (what puts a file in
+place) and just after each of its opens of a file for writing, into an empty folder and
+over a complete earlier output, leaves each output absent, as it was, or whole; a rerun
+ends with exactly the uninterrupted result and sweeps what the killed run left aside."""
 
 import json
 import os
@@ -32,39 +32,35 @@ def tree(path: Path):
     return None
 
 
-def check_kills(base: Path, argv, outs, max_points=8, fractions=(), preload=()):
-    """Kill ``vse argv`` at every chosen moment (kill_job.py), then check each run's folder:
+def check_kills(base: Path, argv, outs, preload=()):
+    """Kill ``vse argv`` at every rename and every open for writing, into an empty folder
+    and over a complete earlier output (kill_job.py), then check each run's folder:
     outputs absent or equal to the clean run's, nothing else visible; then rerun it here
     and check it ends equal to the clean run, with nothing left aside."""
     base.mkdir(parents=True, exist_ok=True)
     spec = base / "spec.json"
-    spec.write_text(
-        json.dumps(
-            {
-                "argv": argv,
-                "base": str(base),
-                "max_points": max_points,
-                "fractions": fractions,
-                "preload": list(preload),
-            }
-        )
-    )
+    spec.write_text(json.dumps({"argv": argv, "base": str(base), "preload": list(preload)}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(JOB), str(spec)], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
-    assert result["runs"].pop("clean") == "exit 0", done.stderr[-3000:]
+    runs = result["runs"]
+    assert runs.pop("clean") == "exit 0", done.stderr[-3000:]
+    assert runs["over"] == "exit 0", done.stderr[-3000:]
+    counts = result["counts"]
+    assert min(counts["clean"]) >= 1 and counts["over"][0] >= 1, counts  # it writes
+    points = sum(counts["clean"]) + sum(counts["over"])
+    assert len(runs) == points + 1
     clean = {out: tree(base / "clean" / out) for out in outs}
     assert all(v is not None for v in clean.values())
-    killed = 0
-    for name, state in result["runs"].items():
+    tops = {out.split("/")[0] for out in outs}
+    for name, state in runs.items():
+        assert state == ("exit 0" if name == "over" else "killed"), (name, state)
         folder = base / name
-        killed += state == "killed"
         for out in outs:
             assert tree(folder / out) in (None, clean[out]), (name, out, "half-written")
-        tops = {out.split("/")[0] for out in outs}
         visible = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
         assert visible <= {*tops, *(f"{o}.incomplete" for o in tops)}, (name, visible)
         argv_here = [a.replace("{dir}", str(folder)) for a in argv]
@@ -73,9 +69,6 @@ def check_kills(base: Path, argv, outs, max_points=8, fractions=(), preload=()):
             assert tree(folder / out) == clean[out], (name, out, "rerun")
         assert sorted(p.name for p in folder.iterdir()) == sorted(tops), name
         assert not [p for p in folder.rglob(".*")], (name, "left aside")
-    # every rename and open point kills; a timed kill may come after the end
-    assert killed >= sum(not n.startswith(("time", "old")) for n in result["runs"])
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +109,16 @@ def test_prepare_killed_anywhere(inputs, tmp_path):
     argv = ["--params", p, "prepare", "--annotations", str(root / "demo/dataset.json")]
     argv += ["--images", str(root / "demo/images"), "--out", "{dir}/m.parquet"]
     argv += ["--errors", "{dir}/e.csv", "--metrics", "{dir}/j.json"]
-    check_kills(tmp_path, argv, ["m.parquet", "e.csv", "j.json"], 3, preload=["features.ingest"])
+    check_kills(tmp_path, argv, ["m.parquet", "e.csv", "j.json"], ["features.ingest"])
 
 
-def test_demo_data_killed_anywhere(inputs, tmp_path):
-    _, p, _, _ = inputs
-    argv = ["--params", p, "demo-data", "--out", "{dir}/demo"]
-    check_kills(tmp_path, argv, ["demo"], 3, preload=["features.demo"])
+def test_demo_data_killed_anywhere(tmp_path):
+    """Three images (each image's open is the same moment: inside the folder built aside)."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["demo"].update(n_train=1, n_val=1, n_test=1, image_size=64)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    argv = ["--params", str(tmp_path / "params.yaml"), "demo-data", "--out", "{dir}/demo"]
+    check_kills(tmp_path / "kills", argv, ["demo"], ["features.demo"])
 
 
 def test_shards_build_killed_anywhere(inputs, tmp_path):
@@ -131,13 +127,13 @@ def test_shards_build_killed_anywhere(inputs, tmp_path):
     root, p, _, _ = inputs
     argv = ["--params", p, "shards", "build", "--manifest", str(root / "pm.parquet")]
     argv += ["--out", "{dir}/shards", "--store", f"regions={root / 'pr.zarr'}"]
-    check_kills(tmp_path, argv, ["shards"], 4, (), ["features.shards", "webdataset", "zarr"])
+    check_kills(tmp_path, argv, ["shards"], ["features.shards", "webdataset", "zarr"])
 
 
 def test_import_precomp_killed_anywhere(inputs, tmp_path):
     _, p, precomp_args, _ = inputs
     argv = ["--params", p, *precomp_args, "--manifest", "{dir}/m.parquet", "--out", "{dir}/r.zarr"]
-    check_kills(tmp_path, argv, ["m.parquet", "r.zarr"], 4, preload=["features.precomp"])
+    check_kills(tmp_path, argv, ["m.parquet", "r.zarr"], ["features.precomp"])
 
 
 def test_export_precomp_and_report_killed_anywhere(inputs, tmp_path):
@@ -145,9 +141,9 @@ def test_export_precomp_and_report_killed_anywhere(inputs, tmp_path):
     argv = ["store", "export-precomp", str(root / "pr.zarr"), "--manifest"]
     argv += [str(root / "pm.parquet"), "--split", "train", "--out", "{dir}/e"]
     outs = [f"e/train_{x}" for x in ("ims.npy", "caps.txt", "ids.txt")]
-    check_kills(tmp_path / "export", argv, outs, 3, preload=["features.precomp", "zarr"])
+    check_kills(tmp_path / "export", argv, outs, ["features.precomp", "zarr"])
     argv = ["report", *map(str, results), "--out", "{dir}/models.md", "--plot", "{dir}/m.png"]
-    check_kills(tmp_path / "report", argv, ["models.md", "m.png"], 3, preload=MATPLOTLIB)
+    check_kills(tmp_path / "report", argv, ["models.md", "m.png"], MATPLOTLIB)
 
 
 def test_temporary_names_are_unique_and_stale_ones_are_swept(tmp_path):

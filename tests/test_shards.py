@@ -182,9 +182,6 @@ def test_training_from_shards_resumes_exactly(packed, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-pytest.importorskip("moto.server")
-
-
 def test_streams_from_s3(packed):
     """Shards built straight to a local S3 endpoint (moto) stream the same batches."""
     root, paths, manifest, _ = packed

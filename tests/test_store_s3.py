@@ -13,8 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
 from local_s3 import local_s3  # noqa: E402
 
-pytest.importorskip("moto.server")
-
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
