@@ -15,7 +15,10 @@ from models.evaluate import (
     EvaluateConfig,
     adversarial_metrics,
     classification_metrics,
+    encode_images,
+    encode_texts,
     evaluate_model,
+    evaluate_split,
 )
 from models.train import build_model
 from models.vsepp import VSEPPConfig
@@ -119,17 +122,21 @@ class Embeddings(torch.nn.Module):
 
 
 class Classifying(Embeddings):
-    """... that classifies by looking each embedding up in ``vectors`` and returning the
-    log of its row of ``probabilities`` (so its softmax is that row, exactly)."""
+    """... that classifies by looking each embedding up among the images' and captions'
+    and returning the log of its row of ``probabilities`` (so its softmax is that row,
+    exactly); images must come with ``side`` "image", captions with "text"."""
 
-    def __init__(self, vectors, probabilities):
+    def __init__(self, img, txt, probabilities):
         super().__init__()
-        self.vectors, self.log_p = vectors, torch.log(torch.as_tensor(probabilities))
+        self.vectors, self.n_images = torch.cat([img, txt]), len(img)
+        self.log_p = torch.log(torch.as_tensor(probabilities))
 
     def classify(self, emb, side):
         match = (emb[:, None, :] == self.vectors[None]).all(-1)  # (n, N)
         assert match.sum(1).eq(1).all(), "an embedding that is not in the table"
-        return self.log_p[match.float().argmax(1)]
+        index = match.float().argmax(1)
+        assert side in ("image", "text") and (index < self.n_images).all() == (side == "image")
+        return self.log_p[index]
 
 
 class Linear(Embeddings):
@@ -180,26 +187,33 @@ FAKES = [
 ]
 
 
+# i2t ranks 0 1 3 5: R@1 1/4, R@5 3/4, R@10 4/4, medr floor(2) + 1, meanr 9/4 + 1.
+# t2i, per caption the images above its own: c0 none (S[3][0] = 9 ties: optimistic),
+# c1 none, c2 i2, c3 i3, c4 none, c5 i0, c6 i0 i1 i2, c7 i0 i2: ranks 0 0 1 1 0 1 3 2,
+# R@1 3/8, R@5 = R@10 = 8/8, medr floor(1) + 1, meanr 8/8 + 1
+FULL = {"i2t_r1": 25.0, "i2t_r5": 75.0, "i2t_r10": 100.0, "i2t_medr": 3.0, "i2t_meanr": 3.25}
+FULL |= {"t2i_r1": 37.5, "t2i_r5": 100.0, "t2i_r10": 100.0, "t2i_medr": 2.0, "t2i_meanr": 2.0}
+FULL |= {"rsum": 437.5}
+
+
+def hand_split():
+    """The split of S (images: the unit vectors, so image i . caption c = S[i][c] / 10)
+    and its fake captions."""
+    data = Split(torch.eye(4), torch.tensor(S).t() / 10, np.arange(8) // 2)
+    fakes = torch.tensor([scores for _, scores in FAKES]) / 10
+    adversarial = Split(torch.eye(4), fakes, [2, 0, 2, 1], attacks=[a for a, _ in FAKES])
+    return data, adversarial
+
+
 def test_evaluate_model_by_hand():
     """Whole split, COCO-1K-style folds and adversarial captions on a 4 x 8 similarity
     whose every R@K, medr and meanr is counted by hand in the comments."""
-    sims = torch.tensor(S) / 10
-    attacks = [a for a, _ in FAKES]
-    fakes = torch.tensor([scores for _, scores in FAKES]) / 10
-    data = Split(torch.eye(4), sims.t(), np.arange(8) // 2)
-    adversarial = Split(torch.eye(4), fakes, [2, 0, 2, 1], attacks=attacks)
+    data, adversarial = hand_split()
     cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu")
     report = evaluate_model(Embeddings(), data, cfg, torch.device("cpu"), adversarial)
     assert (report["split"], report["images"], report["captions"]) == ("test", 4, 8)
     assert "classification" not in report  # the model does not classify
-    # i2t ranks 0 1 3 5: R@1 1/4, R@5 3/4, R@10 4/4, medr floor(2) + 1, meanr 9/4 + 1.
-    # t2i, per caption the images above its own: c0 none (S[3][0] = 9 ties: optimistic),
-    # c1 none, c2 i2, c3 i3, c4 none, c5 i0, c6 i0 i1 i2, c7 i0 i2: ranks 0 0 1 1 0 1 3 2,
-    # R@1 3/8, R@5 = R@10 = 8/8, medr floor(1) + 1, meanr 8/8 + 1
-    full = {"i2t_r1": 25.0, "i2t_r5": 75.0, "i2t_r10": 100.0, "i2t_medr": 3.0}
-    full |= {"i2t_meanr": 3.25, "t2i_r1": 37.5, "t2i_r5": 100.0, "t2i_r10": 100.0}
-    full |= {"t2i_medr": 2.0, "t2i_meanr": 2.0, "rsum": 437.5}
-    assert report["full"] == pytest.approx(full)
+    assert report["full"] == pytest.approx(FULL)  # counted above FULL
     # fold 0 (images 0-1, captions 0-3): every rank 0 -> 100s, medr = meanr = 1, rsum 600.
     # fold 1 (images 2-3, captions 4-7): i2t: image 2 GT 6 under 7, image 3 GT 4 under 5:
     # ranks 1 1 -> R@1 0, medr 2, meanr 2; t2i: c4 0, c5 0, c6 (4 < 7) 1, c7 (2 < 5) 1 ->
@@ -209,6 +223,7 @@ def test_evaluate_model_by_hand():
     folds |= {"t2i_r5": 100.0, "t2i_r10": 100.0, "t2i_medr": 1.0, "t2i_meanr": 1.25}
     folds |= {"rsum": 525.0}
     assert report["folds"] == pytest.approx(folds)
+    assert type(report["folds"]["n_folds"]) is int  # a count, also in the JSON
 
     # adversarial: i2t only; the fakes are candidates, never ground truth
     def i2t(r1, r5, r10, medr, meanr, n):
@@ -257,7 +272,7 @@ def test_classification_by_hand():
     wrong), text 5/8, fused 6/8 (softmaxes averaged: see P_TEXT)."""
     img, txt = unit(IMAGE_ANGLES), unit(CAPTION_ANGLES)
     data = Split(img, txt, np.arange(8) // 2, labels=IMAGE_LABELS)
-    model = Classifying(torch.cat([img, txt]), P_IMAGE + P_TEXT)
+    model = Classifying(img, txt, P_IMAGE + P_TEXT)
     cfg = EvaluateConfig(batch_size=3, fold_size=4, device="cpu")
     got = evaluate_model(model, data, cfg, torch.device("cpu"))["classification"]
     want = {"accuracy_image": 50.0, "accuracy_text": 62.5, "accuracy_fused": 75.0}
@@ -308,16 +323,20 @@ def argmax(row):
     return max(range(len(row)), key=lambda j: row[j])
 
 
-@pytest.mark.parametrize("n_images", [5, 9, 14])
-def test_classification_metrics_match_loops(n_images):
+@pytest.mark.parametrize("n_images, paired", [(5, False), (9, False), (14, False), (8, True)])
+def test_classification_metrics_match_loops(n_images, paired):
     """Accuracy of each modality and fused (softmaxes averaged), class-level R@K in the
-    four directions, against loops; galleries smaller and larger than K = 10."""
+    four directions, against loops; galleries smaller and larger than K = 10, and (paired)
+    caption i of image i close to it: image i and caption i are not the same item."""
     rng = np.random.default_rng(n_images)
     n_classes, dim = 4, 6
     c2i = np.sort(rng.integers(0, n_images, size=2 * n_images))
     labels = rng.integers(0, n_classes, size=n_images)
     img = torch.from_numpy(rng.normal(size=(n_images, dim))).float()
     txt = torch.from_numpy(rng.normal(size=(len(c2i), dim))).float()
+    if paired:
+        c2i = np.arange(n_images)
+        txt = img + 0.05 * torch.from_numpy(rng.normal(size=img.shape)).float()
     torch.manual_seed(n_images)
     model = Linear(dim, n_classes)
     linear = model.layer
@@ -352,6 +371,7 @@ def test_classification_metrics_match_loops(n_images):
     assert got == pytest.approx(want)
     # not vacuous: keeping the self-match would give 100
     assert want["class_image_to_image_r1"] < 100 and want["class_text_to_text_r1"] < 100
+    assert not paired or want["class_image_to_text_r1"] == 100  # each its own caption
 
 
 def test_classification_uses_each_modalitys_layer():
@@ -424,3 +444,69 @@ def test_evaluate_model_of_a_real_model_matches_its_direct_embeddings(data):
     want = naive_i2t((img @ txt.t()).numpy(), data.caption_image)
     assert {k: v for k, v in report["full"].items() if k.startswith("i2t")} == pytest.approx(want)
     assert report["folds"]["n_folds"] == 2 and report["folds"]["fold_size"] == 4
+
+
+def test_given_embeddings_are_not_computed_again():
+    class Refusing(Embeddings):
+        def encode_image(self, batch):
+            raise AssertionError("the embeddings were given")
+
+        encode_text = encode_image
+
+    data, _ = hand_split()
+    cfg = EvaluateConfig(batch_size=3, fold_size=4, device="cpu")
+    cpu = torch.device("cpu")
+    report = evaluate_model(Refusing(), data, cfg, cpu, embeddings=(data.img, data.txt))
+    assert report["full"] == pytest.approx(FULL)
+
+
+def test_evaluate_split_and_the_encoders_alone():
+    """Without a reader given, each builds its own (``vse train``'s validation passes one)."""
+    data, _ = hand_split()
+    cpu = torch.device("cpu")
+    assert evaluate_split(Embeddings(), data, 3, cpu) == pytest.approx(FULL)
+    torch.testing.assert_close(encode_images(Embeddings(), data, 3, cpu), data.img)
+    torch.testing.assert_close(encode_texts(Embeddings(), data, 3, cpu, n=5), data.txt[:5])
+
+
+def test_each_source_is_read_once_by_the_configured_readers(monkeypatch):
+    """The split through one reader with evaluate's num_workers and prefetch, the fake
+    captions through another."""
+    import models.batches
+
+    made = []
+
+    class Counted(models.batches.Batches):
+        def __init__(self, source, device, **options):
+            made.append((source, options))
+            super().__init__(source, device, **options)
+
+    monkeypatch.setattr(models.batches, "Batches", Counted)
+    data, adversarial = hand_split()
+    cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu", prefetch=3)
+    report = evaluate_model(Embeddings(), data, cfg, torch.device("cpu"), adversarial)
+    options = {"num_workers": 0, "prefetch": 3}
+    assert made == [(data, options), (adversarial, options)]
+    assert report["full"] == pytest.approx(FULL)
+
+
+def test_a_caption_with_nan_embedding_is_refused_by_key():
+    data, _ = hand_split()
+    data.txt[[1, 4, 5], 2] = float("nan")
+    cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu")
+    cpu = torch.device("cpu")
+    with pytest.raises(NonFiniteError, match="^the embedding of caption 1 holds NaN or infin"):
+        evaluate_model(Embeddings(), data, cfg, cpu)
+    data.caption_keys = [f"im{c // 2}#{c % 2}" for c in range(8)]
+    with pytest.raises(NonFiniteError) as err:
+        evaluate_model(Embeddings(), data, cfg, cpu)
+    assert str(err.value) == (
+        "the embedding of caption 'im0#1' holds NaN or infinite values (and 2 more); check "
+        "that caption's features in its store (vse store verify) and the checkpoint's weights"
+    )
+    data.txt[[4, 5], 2] = 0.0  # one left: no "(and ... more)"
+    with pytest.raises(NonFiniteError) as err:
+        evaluate_model(Embeddings(), data, cfg, cpu)
+    assert str(err.value).startswith(
+        "the embedding of caption 'im0#1' holds NaN or infinite values; check that caption's"
+    )

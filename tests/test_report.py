@@ -69,7 +69,7 @@ RESULTS = {
         "full": full((25.0, 75.0, 100.0), (37.5, 100.0, 100.0)),
         "folds": {"fold_size": 2, "n_folds": 2, "rsum": 525.0, "i2t_r1": 50.0},
         "adversarial": {
-            "object": {"i2t_r1": 0.0, "i2t_r5": 75.0, "fake_captions": 2},
+            "attribute": {"i2t_r1": 0.0, "i2t_r5": 75.0, "fake_captions": 2},
             "relation": {"i2t_r1": 25.0, "i2t_r5": 75.0, "fake_captions": 1},
         },
     },
@@ -78,6 +78,7 @@ RESULTS = {
         "images": 4,
         "captions": 8,
         "full": full((12.34, 66.66, 99.96), (0.04, 50.0, 87.5)),
+        "adversarial": {"object": {"i2t_r1": 8.34, "i2t_r5": 50.0, "fake_captions": 3}},
         "classification": {
             "accuracy_image": 50.0,
             "accuracy_text": 62.5,
@@ -97,8 +98,8 @@ Split `test`: 4 images, 8 captions (R@K in %, rsum = sum of the six R@K).
 | model | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | folds rsum \
 | adv. R@1 object | attribute | relation |
 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| vsepp | 25.0 | 75.0 | 100.0 | 37.5 | 100.0 | 100.0 | 437.5 | 525.0 | 0.0 | - | 25.0 |
-| huse | 12.3 | 66.7 | 100.0 | 0.0 | 50.0 | 87.5 | 316.5 | - | - | - | - |
+| vsepp | 25.0 | 75.0 | 100.0 | 37.5 | 100.0 | 100.0 | 437.5 | 525.0 | - | 0.0 | 25.0 |
+| huse | 12.3 | 66.7 | 100.0 | 0.0 | 50.0 | 87.5 | 316.5 | - | 8.3 | - | - |
 
 Chance level (random scores): rsum 439.3.
 
