@@ -20,6 +20,7 @@ from models.evaluate import (
     evaluate_model,
     evaluate_split,
 )
+from models.metrics import fold_metrics, retrieval_metrics, similarity_matrix
 from models.train import build_model
 from models.vsepp import VSEPPConfig
 
@@ -510,3 +511,24 @@ def test_a_caption_with_nan_embedding_is_refused_by_key():
     assert str(err.value).startswith(
         "the embedding of caption 'im0#1' holds NaN or infinite values; check that caption's"
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_evaluation_on_cuda_by_hand():
+    """The hand-made cases on the GPU: every index and label moved to the scores' device
+    (on the CPU a tensor left behind goes unnoticed)."""
+    cuda = torch.device("cuda")
+    data, adversarial = hand_split()
+    cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cuda")
+    report = evaluate_model(Embeddings(), data, cfg, cuda, adversarial)
+    assert report["full"] == pytest.approx(FULL) and report["folds"]["rsum"] == 525.0
+    assert report["adversarial"]["object"]["i2t_r1"] == 0.0
+    sims = torch.tensor(S, device=cuda) / 10
+    assert retrieval_metrics(sims, np.arange(8) // 2, chunk=3) == pytest.approx(FULL)
+    assert fold_metrics(sims, np.arange(8) // 2, fold_size=2)["rsum"] == 525.0
+    assert similarity_matrix(lambda a, b: a @ b.t(), data.img.cuda(), data.txt.cuda(), 9).is_cuda
+    img, txt = unit(IMAGE_ANGLES), unit(CAPTION_ANGLES)
+    split = Split(img, txt, np.arange(8) // 2, labels=IMAGE_LABELS)
+    model = Classifying(img.to(cuda), txt.to(cuda), P_IMAGE + P_TEXT)
+    got = classification_metrics(model, img.to(cuda), txt.to(cuda), split)
+    assert got["accuracy_fused"] == 75.0 and got["class_text_to_text_r5"] == 62.5
