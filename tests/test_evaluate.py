@@ -489,6 +489,13 @@ def test_each_source_is_read_once_by_the_configured_readers(monkeypatch):
     options = {"num_workers": 0, "prefetch": 3}
     assert made == [(data, options), (adversarial, options)]
     assert report["full"] == pytest.approx(FULL)
+    # validation during training: the reader it is given, no other
+    made.clear()
+    with Counted(data, torch.device("cpu")) as batches:
+        assert evaluate_split(Embeddings(), data, 3, torch.device("cpu"), batches) == pytest.approx(
+            FULL
+        )
+    assert len(made) == 1
 
 
 def test_a_caption_with_nan_embedding_is_refused_by_key():
@@ -505,7 +512,12 @@ def test_a_caption_with_nan_embedding_is_refused_by_key():
         "the embedding of caption 'im0#1' holds NaN or infinite values (and 2 more); check "
         "that caption's features in its store (vse store verify) and the checkpoint's weights"
     )
-    data.txt[[4, 5], 2] = 0.0  # one left: no "(and ... more)"
+    data.txt[4, 2] = 0.0
+    with pytest.raises(
+        NonFiniteError, match=r"^the embedding of caption 'im0#1' .* \(and 1 more\);"
+    ):
+        evaluate_model(Embeddings(), data, cfg, cpu)
+    data.txt[5, 2] = 0.0  # one left: no "(and ... more)"
     with pytest.raises(NonFiniteError) as err:
         evaluate_model(Embeddings(), data, cfg, cpu)
     assert str(err.value).startswith(
