@@ -5,7 +5,8 @@
 - Robustness to text-domain adversarial captions (UniVSE 4.2): for each attack type
   (object, attribute, relation) the fake captions join the real ones as candidates for
   image-to-text retrieval, never as ground truth.
-- Models that classify (``classify(embedding) -> logits``, HUSE) also get classification
+- Models that classify (``classify(embedding, side) -> logits``, HUSE; ``side`` is
+  "image" or "text", for a model with a layer per modality) also get classification
   accuracy (image, text, fused by averaging the softmaxes) and class-level retrieval R@K in
   the four directions (a result is relevant when it has the query's class).
 
@@ -113,7 +114,8 @@ def _class_retrieval(query, gallery, q_labels, g_labels, same_set: bool) -> dict
     sims = query @ gallery.t()
     if same_set:
         sims.fill_diagonal_(-torch.inf)
-    top = sims.topk(min(max(KS), sims.shape[1]), dim=1).indices  # (Q, <= 10)
+    # at most the gallery less the query itself: never the self-match, even in a small set
+    top = sims.topk(min(max(KS), sims.shape[1] - int(same_set)), dim=1).indices  # (Q, <= 10)
     hits = g_labels[top] == q_labels[:, None]
     return {f"r{k}": float(100.0 * hits[:, :k].any(1).double().mean()) for k in KS}
 
@@ -124,8 +126,8 @@ def classification_metrics(model, img, txt, data) -> dict:
     labels = torch.from_numpy(data.labels).to(device)
     text_labels = torch.from_numpy(data.labels[data.caption_image]).to(device)
     with torch.no_grad():
-        p_img = model.classify(img).float().softmax(-1)
-        p_txt = model.classify(txt).float().softmax(-1)
+        p_img = model.classify(img, "image").float().softmax(-1)  # (n_images, C)
+        p_txt = model.classify(txt, "text").float().softmax(-1)  # (n_captions, C)
     # fused: each caption with its image, softmaxes averaged
     p_fused = (p_img[torch.from_numpy(data.caption_image).to(device)] + p_txt) / 2
     out = {

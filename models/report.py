@@ -23,10 +23,10 @@ COLUMNS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
 
 def chance_rsum(result: dict) -> float:
     """Expected rsum of random scores: i2t R@K = 1 - C(n-p, K) / C(n, K) with p captions
-    per image among n, t2i R@K = K / images."""
+    per image among n, t2i R@K = K / images (each 1 when K reaches the candidates)."""
     n, images = result["captions"], result["images"]
     p = round(n / images)
-    i2t = sum(1 - math.comb(n - p, k) / math.comb(n, k) for k in (1, 5, 10))
+    i2t = sum(1 - math.comb(n - p, min(k, n)) / math.comb(n, min(k, n)) for k in (1, 5, 10))
     t2i = sum(min(k / images, 1.0) for k in (1, 5, 10))
     return 100 * (i2t + t2i)
 

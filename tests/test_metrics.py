@@ -73,10 +73,56 @@ def test_folds_average_per_fold_metrics():
         assert folds[k] == pytest.approx((first[k] + second[k]) / 2), k
 
 
-def test_similarity_matrix_in_chunks_equals_one_product():
-    img, txt = torch.randn(10, 8), torch.randn(33, 8)
-    got = similarity_matrix(lambda a, b: a @ b.t(), img, txt, max_elements=3 * 33)
-    torch.testing.assert_close(got, img @ txt.t())
+@pytest.mark.parametrize("dim", [8, 40])  # fewer and more dimensions than captions
+def test_similarity_matrix_in_chunks_equals_one_product(dim):
+    """At most ``max_elements`` scores per call: rows of max(1, max_elements // n_txt)."""
+    img, txt = torch.randn(10, dim), torch.randn(33, dim)
+    calls = []
+
+    def product(a, b):
+        calls.append((a.shape[0], b.shape[0]))
+        return (a @ b.t()).double()  # float64: the matrix comes back in float32
+
+    for max_elements, rows in ((3 * 33 + 1, [3, 3, 3, 1]), (10 * 33 - 1, [9, 1]), (5, [1] * 10)):
+        calls.clear()
+        got = similarity_matrix(product, img, txt, max_elements=max_elements)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, img @ txt.t())
+        assert calls == [(r, 33) for r in rows], max_elements
+    calls.clear()
+    torch.testing.assert_close(similarity_matrix(product, img, txt, 10 * 33), img @ txt.t())
+    assert calls == [(10, 33)]  # it fits: one call
+
+
+def test_ranks_in_the_similarities_precision():
+    """float64 scores closer than float32 can tell apart keep their order."""
+    sims = torch.tensor([[1 + 1e-9, 1 + 5e-10], [0.0, 2.0]], dtype=torch.float64)
+    m = retrieval_metrics(sims, torch.tensor([0, 1]))
+    assert m["i2t_r1"] == 100.0 and m["t2i_r1"] == 100.0
+    assert float(torch.tensor(1 + 1e-9).float()) == 1.0  # in float32 image 0 would rank 1
+
+
+def test_huge_finite_scores_are_ranked():
+    """Their sum overflows to inf: the exact test finds every score finite."""
+    sims = torch.full((3, 3), 3e38).fill_diagonal_(3.3e38)
+    assert not torch.isfinite(sims.sum())
+    m = retrieval_metrics(sims, torch.arange(3))
+    assert m["rsum"] == 600.0
+    assert fold_metrics(sims, torch.arange(3), fold_size=1)["rsum"] == 600.0
+
+
+def test_one_fold_and_one_caption():
+    rng = np.random.default_rng(4)
+    sims = rng.normal(size=(7, 30)).astype(np.float32)
+    c2i = np.sort(rng.integers(0, 7, size=30))
+    c2i[:7] = np.arange(7)  # every image has a caption
+    c2i.sort()
+    got = fold_metrics(torch.from_numpy(sims), torch.from_numpy(c2i), fold_size=5)
+    want = naive(sims[:5, c2i < 5], c2i[c2i < 5])  # one fold: images 0-4 and their captions
+    assert got == pytest.approx(want)
+    # a single real caption among distractors
+    m = retrieval_metrics(torch.tensor([[0.5, 0.2, 0.9]]), torch.tensor([0, -1, -1]))
+    assert (m["i2t_r1"], m["i2t_r5"], m["t2i_r1"], m["i2t_meanr"]) == (0.0, 100.0, 100.0, 2.0)
 
 
 def test_errors_name_the_problem():
@@ -84,6 +130,12 @@ def test_errors_name_the_problem():
         retrieval_metrics(torch.zeros(2, 2), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="expected \\(3,\\)"):
         retrieval_metrics(torch.zeros(2, 3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="^no caption has an image: nothing to evaluate$"):
+        retrieval_metrics(torch.zeros(2, 3), torch.tensor([-1, -1, -1]))
+    with pytest.raises(ValueError, match="^caption_to_image refers to image 2 of 2$"):
+        retrieval_metrics(torch.zeros(2, 3), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="^3 images: fewer than one fold of 4$"):
+        fold_metrics(torch.zeros(3, 6), torch.arange(6) // 2, fold_size=4)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -93,7 +145,17 @@ def test_non_finite_similarities_are_refused_not_ranked(value):
 
     sims = torch.rand(4, 8)
     sims[2, 5] = value
-    with pytest.raises(NonFiniteError, match="image 2 and caption 5"):
+    message = (
+        f"^the similarity of image 2 and caption 5 is {value}: NaN or infinite scores cannot "
+        "be ranked; check the checkpoint and the features of that image and caption "
+        "\\(vse store verify\\)$"
+    )
+    with pytest.raises(NonFiniteError, match=message):
         retrieval_metrics(sims, torch.arange(8) // 2)
     with pytest.raises(NonFiniteError, match="image 2 and caption 5"):
         fold_metrics(sims, torch.arange(8) // 2, fold_size=2)
+    # a negative's score (not a ground truth), in the third chunk of two rows
+    sims = torch.rand(6, 12)
+    sims[5, 2] = value
+    with pytest.raises(NonFiniteError, match="image 5 and caption 2 is"):
+        retrieval_metrics(sims, torch.arange(12) // 2, chunk=2)
