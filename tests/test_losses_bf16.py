@@ -5,9 +5,6 @@ with the same gradients (to bf16's precision), while the same computations done 
 would move every one of these terms far outside the tolerance (checked here by switching
 the float32 protection off)."""
 
-import contextlib
-
-import numpy as np
 import pytest
 import torch
 

@@ -59,7 +59,9 @@ def test_resume_continues_exactly(tmp_path, data):
         ("univse", UniVSEConfig(embed_size=16, d_basic=8, d_modif=8, rel_start_epoch=0)),
     ],
 )
-def test_resume_continues_exactly_when_the_model_draws_from_the_rng(tmp_path, data, name, model_cfg):
+def test_resume_continues_exactly_when_the_model_draws_from_the_rng(
+    tmp_path, data, name, model_cfg
+):
     """A model that draws from torch's RNG while training ends bit-identical after a
     resume only if the RNG state saved after epoch 0 is restored: the resumed run would
     otherwise draw epoch 1's dropout masks or negatives from the state right after the
