@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
-from models.camera import AGSA, CAMERA, CAMERAConfig, box_code, diversity
+from models.camera import AGSA, CAMERA, CAMERAConfig, Summarization, box_code, diversity
 from models.data import DataInfo
 
 SMALL = dict(
@@ -64,6 +64,14 @@ def test_config_defaults_are_the_papers():
 def test_config_rejects(bad, message):
     with pytest.raises(ValidationError, match=message):
         CAMERAConfig(**bad)
+
+
+def test_summarization_refuses_a_ragged_pyramid():
+    """Table 1 gives each kernel its dilation and channels: the module built without
+    the config's check refuses lists of different lengths rather than dropping kernels."""
+    with pytest.raises(ValueError):
+        Summarization(8, 2, kernels=[1, 3, 3], dilations=[1, 2], channels=[4, 4, 4])
+    assert len(Summarization(8, 2, [1, 3], [1, 2], [4, 4]).convs) == 2
 
 
 def test_box_code_is_eq_9():
