@@ -448,6 +448,38 @@ def test_glove_rows_are_copied_and_missing_words_stay_random(tmp_path):
         make_model(info, d_basic=4).init_basic_embeddings(matrix)
 
 
+def test_glove_files_as_they_come(tmp_path):
+    """What GloVe and fastText text files hold: words with a non-breaking space and bytes
+    that are not UTF-8 (glove.840B), lines ending in a space (fastText's .vec), blank
+    lines, and a download cut off mid-line (that word stays missing)."""
+    path = tmp_path / "vectors.txt"
+    path.write_bytes(
+        b"\n"  # blank before the first vector
+        b"caf\xe9 9 9 9\n"  # Latin-1, not UTF-8: replaced, the rest still read
+        b"a\xc2\xa0b 1 2 3 \n"  # "a<NBSP>b", and a trailing space
+        b"clock 4 5 6 \n"
+        b"\n"
+        b"table 7 8 9\n"
+        b"wall 1\n"  # cut short
+    )
+    words = ["<pad>", "a\xa0b", "clock", "table", "wall", "a"]
+    matrix = load_glove(path, words)
+    assert matrix.dtype == np.float32 and matrix.shape == (6, 3)
+    assert matrix[1].tolist() == [1, 2, 3]
+    assert matrix[2].tolist() == [4, 5, 6]
+    assert matrix[3].tolist() == [7, 8, 9]
+    assert np.isnan(matrix[[0, 4, 5]]).all()
+    # one-dimensional vectors are vectors too
+    (tmp_path / "one.txt").write_text("clock 0.5\ntable -1.5\n")
+    assert load_glove(tmp_path / "one.txt", ["clock", "table"]).tolist() == [[0.5], [-1.5]]
+    # a file without vectors: one line naming it
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError) as err:
+        load_glove(empty, words)
+    assert str(err.value) == f"{empty}: no GloVe vectors in this file"
+
+
 # ---- overfit ----------------------------------------------------------------------------
 
 
