@@ -10,6 +10,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+from model_data import TinyPairs
 
 from models.common import (
     GRUText,
@@ -24,6 +25,7 @@ from models.common import (
     masked_mean,
     multiview_sim,
 )
+from models.registry import model_class
 
 
 def _rand(*shape, seed=0):
@@ -178,3 +180,53 @@ def test_gru_text_matches_the_gru_on_each_unpadded_caption(bidirectional):
     # word embeddings start U(-0.1, 0.1), as VSE++'s and SCAN's
     w = enc.embed.weight
     assert w.abs().max() <= 0.1 and w.std() > 0.05
+
+
+# ----------------------------------------------------------------------------- devices
+
+SMALL = {
+    "vsepp": dict(embed_size=16, word_dim=8),
+    "mvvse": dict(embed_size=16, word_dim=8),
+    "camera": dict(
+        embed_size=16, heads=2, views=3, kernels=[1, 3], dilations=[1, 2], channels=[4, 4]
+    ),
+    "huse": dict(hidden=16, image_layers=2, text_layers=2, dropout=0.0),
+    "univse": dict(embed_size=16, d_basic=8, d_modif=8),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_models_make_their_tensors_on_the_inputs_device(name):
+    """Masks, identities and indices are made on the device of the batch, not on torch's
+    default device: with the default set to "meta" (a device that holds no values),
+    CPU inputs give the same losses, embeddings and attention maps as a plain run,
+    where a tensor made on the default device would fail to combine with them (as it
+    would on a GPU)."""
+    data = TinyPairs(n_images=6)
+    batch = {**data.pair_batch(np.arange(6)), "epoch": 3}
+    torch.manual_seed(0)
+    cls = model_class(name)
+    model = cls(cls.Config(**SMALL[name]), data.info).eval()
+
+    def run():
+        out = {}
+        if name == "univse":
+            negatives = model.sample_negatives(batch, torch.Generator().manual_seed(0))
+            out.update({f"neg_{k}": v for k, v in negatives.items()})
+            parts = model.loss(batch, negatives)
+        else:
+            parts = model.loss(batch)
+        out.update({k: v.detach() for k, v in parts.items()})
+        img, txt = model.encode_image(batch), model.encode_text(batch)
+        out.update(img=img, txt=txt, sim=model.similarity(img, txt))
+        if hasattr(model, "view_attention"):
+            out["attention"] = model.view_attention(batch)
+        return out
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].device.type == "cpu", key
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)

@@ -321,6 +321,13 @@ def test_eta_schedule_sec_3_5():
     assert out["rel"].item() > 0
     want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"])
     assert out["loss"].item() == pytest.approx(want.item(), abs=1e-6)
+    # epoch 0 is before epoch 1: relations from epoch 1 are still off without "epoch"
+    early = make_model(rel_start_epoch=1)
+    out = early.loss(batch, neg)
+    want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"])
+    assert out["loss"].item() == pytest.approx(want.item(), abs=1e-6)
+    out = early.loss({**batch, "epoch": 1}, neg)
+    assert out["loss"].item() == pytest.approx((want + out["rel"]).item(), abs=1e-6)
 
 
 # ---- negatives (sec. 3.4) ---------------------------------------------------------------
