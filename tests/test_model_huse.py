@@ -94,12 +94,39 @@ def test_tfidf_input_is_used_only_when_enabled():
         HUSE(HUSEConfig(use_tfidf=True), _info(tfidf_dim=0))
 
 
-def test_missing_graph_fails_clearly():
-    with pytest.raises(ValueError, match="graph loss"):
-        HUSE(HUSEConfig(**SMALL), DataInfo(image_dim=4, document_dim=4, n_classes=3))
-    with pytest.raises(ValueError, match="n_classes"):
-        wrong = DataInfo(image_dim=4, document_dim=4, n_classes=2, class_distances=[[0.0] * 3] * 3)
-        HUSE(HUSEConfig(**SMALL), wrong)
+BAD_INFO = [
+    (
+        dict(n_classes=3, class_distances=None),
+        "HUSE's graph loss (eqs. 9-11) needs the semantic graph A from class-name "
+        "embeddings: DataInfo.class_distances is None (open the data with a "
+        "class_embedder, e.g. Sentence-BERT on the manifest's class names)",
+    ),
+    (
+        dict(n_classes=2, class_distances=[[0.0] * 3] * 3),
+        "HUSE needs class labels and an n_classes x n_classes class_distances; got "
+        "n_classes=2, class_distances of shape (3, 3)",
+    ),
+    (
+        dict(n_classes=0, class_distances=[]),
+        "HUSE needs class labels and an n_classes x n_classes class_distances; got "
+        "n_classes=0, class_distances of shape (0,)",
+    ),
+    (dict(tfidf_dim=0), "use_tfidf is on but DataInfo.tfidf_dim is 0 (no TF-IDF terms)"),
+    (dict(image_dim=0), "HUSE needs image_dim and document_dim > 0; got 0, 10"),
+    (dict(document_dim=0), "HUSE needs image_dim and document_dim > 0; got 12, 0"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_INFO)
+def test_unusable_data_fails_in_one_line(change, message):
+    good = dict(image_dim=12, document_dim=10, tfidf_dim=7, n_classes=1, class_distances=[[0.0]])
+    HUSE(HUSEConfig(**SMALL), DataInfo(**good))  # one class, and the sizes, are enough
+    HUSE(
+        HUSEConfig(**SMALL), DataInfo(**{**good, "image_dim": 1, "document_dim": 1, "tfidf_dim": 1})
+    )
+    with pytest.raises(ValueError) as err:
+        HUSE(HUSEConfig(**SMALL), DataInfo(**{**good, **change}))
+    assert str(err.value) == message
 
 
 def _linear(layer: torch.nn.Linear, x: list[float]) -> list[float]:
