@@ -152,6 +152,46 @@ def test_components_follow_phi_and_psi():
         assert torch.allclose(u["sent"][1], gru_direct(model, seq), atol=1e-5)
 
 
+def test_multi_word_phrases_average_their_words():
+    """A phrase's basic and modifier embeddings are the means over its words, padding
+    excluded, for ids of any leading shape (``(..., W) -> (..., d)``)."""
+    model = make_model()
+    phrases = torch.tensor([[5, 6, 0], [7, 0, 0], [17, 18, 12]])  # (3, W=3)
+    basic, modif = model.basic.weight, model.modif.weight
+    with torch.no_grad():
+        want = []
+        for ids in ([5, 6], [7], [17, 18, 12]):
+            mean_basic = sum(basic[i] for i in ids) / len(ids)
+            mean_modif = sum(modif[i] for i in ids) / len(ids)
+            want.append(phi_direct(model, torch.cat([mean_basic, mean_modif])))
+        want = torch.stack(want)  # (3, d)
+        for shape in [(3, 3), (1, 3, 3), (3, 1, 1, 3)]:
+            got = model.encode_object(phrases.reshape(shape))
+            assert got.shape == (*shape[:-1], 16)
+            torch.testing.assert_close(got.reshape(3, 16), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(model.encode_object(phrases[1]), want[1], atol=1e-6)  # (W,)
+        # (adjective, noun): the noun phrase's basic mean, the adjective phrase's modifier mean
+        got = model.encode_attribute(phrases[0], phrases[2])
+        pair = torch.cat([(basic[5] + basic[6]) / 2, (modif[17] + modif[18] + modif[12]) / 3])
+        torch.testing.assert_close(got, phi_direct(model, pair), rtol=1e-5, atol=1e-6)
+        # a model cast to bf16 for inference encodes in bf16
+        half = model.to(torch.bfloat16).encode_object(phrases)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=0, atol=0.02)
+
+
+def test_sentence_state_is_read_after_its_length():
+    """psi reads the GRU state after each caption's length, clamped to the padded width
+    (a length 0 reads the first position, as ``GRUText`` does)."""
+    model = make_model()
+    words = torch.tensor([[1, 5, 10, 6, 2], [1, 7, 2, 0, 0], [1, 8, 0, 0, 0], [3, 0, 0, 0, 0]])
+    with torch.no_grad():
+        got = model.encode_sentence(words, torch.tensor([5, 3, 0, 9]))
+        for b, n in enumerate([5, 3, 1, 5]):
+            seq = [phi_direct(model, word(model, int(i))) for i in words[b, :n]]
+            torch.testing.assert_close(got[b], gru_direct(model, seq), rtol=1e-5, atol=1e-5)
+
+
 def test_caption_is_alpha_mix_of_sentence_and_components():
     model, batch = make_model(alpha=0.75), hand_batch()
     with torch.no_grad():
