@@ -17,6 +17,8 @@ from models.data import DataInfo
 from models.univse import (
     UniVSE,
     UniVSEConfig,
+    _phrase_equal,
+    _sample,
     load_glove,
     ranking_loss,
     region_alignment,
@@ -440,9 +442,142 @@ def test_negatives_respect_the_image_and_an_exhausted_vocabulary():
 
 def test_same_generator_seed_same_negatives():
     model, batch = make_model(), hand_batch()
+    torch.manual_seed(1)
     a = model.sample_negatives(batch, torch.Generator().manual_seed(7))
+    state = torch.get_rng_state()
     b = model.sample_negatives(batch, torch.Generator().manual_seed(7))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # every draw is the generator's: the global RNG (dropout, other models) is not touched
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_phrase_equality_against_loops():
+    """Phrase ids ``(..., Wa)`` against a vocabulary ``(K, Wv)``: equal word for word,
+    zero padding aside, whichever is wider."""
+    vocab = torch.tensor([[5, 6, 7], [5, 0, 0], [6, 0, 0]])  # K = Wv = 3
+    narrow = torch.tensor([[5], [6], [7]])  # K = 3, Wv = 1
+    long = torch.tensor([[5, 6, 7, 8]])  # K = 1 < Wv = 4
+    for phrases in ([[5, 6]], [[5], [6]], [[5, 6, 7, 8]], [[5, 6, 7], [6, 0, 0]]):
+        for table in (vocab, narrow, long):
+            a = torch.tensor(phrases)
+
+            def same(p, q):
+                return [x for x in p if x] == [x for x in q if x]
+
+            want = [[same(p, q) for q in table.tolist()] for p in a.tolist()]
+            assert _phrase_equal(a, table).tolist() == want  # (N, W)
+            assert _phrase_equal(a[None], table).tolist() == [want]  # (B, N, W)
+
+
+def test_sample_is_uniform_among_the_allowed_entries():
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.tensor([[True, False, True, True]])  # one row
+    seen = set()
+    for _ in range(60):
+        index, valid = _sample(allowed, gen)
+        assert index.shape == (1,) and valid.tolist() == [True]
+        seen.add(int(index))
+    assert seen == {0, 2, 3}
+    counts = torch.bincount(
+        torch.stack([_sample(allowed.expand(300, 4), gen)[0] for _ in range(10)]).flatten(),
+        minlength=4,
+    )
+    assert counts[1] == 0 and all(abs(int(c) - 1000) < 100 for c in counts[[0, 2, 3]])  # 4 sd
+    # rows with nothing allowed are not valid; no rows at all give empty results
+    index, valid = _sample(torch.tensor([[[True, False], [False, False]]]), gen)
+    assert index.shape == (1, 2) and valid.tolist() == [[True, False]] and index[0, 0] == 0
+    for shape in [(0, 4), (2, 0, 4)]:
+        with torch.device("meta"):  # made where the inputs are, not on the default device
+            index, valid = _sample(torch.ones(shape, dtype=torch.bool, device="cpu"), gen)
+        assert index.shape == valid.shape == shape[:-1]
+        assert index.dtype == torch.long and index.device.type == "cpu"
+
+
+def _widths_batch(objects, attributes) -> dict:
+    """One caption: one object phrase, one attribute phrase on it, one relation."""
+    return {
+        "objects": torch.tensor([[objects]]),
+        "object_mask": torch.tensor([[True]]),
+        "attributes": torch.tensor([[attributes]]),
+        "attribute_mask": torch.tensor([[True]]),
+        "attribute_objects": torch.tensor([[0]]),
+        "relations": torch.tensor([[[16]]]),
+        "relation_mask": torch.tensor([[True]]),
+        "relation_subjects": torch.tensor([[0]]),
+        "relation_objects": torch.tensor([[0]]),
+    }
+
+
+@pytest.mark.parametrize(
+    "objects, attributes, nouns, adjectives",
+    [
+        ([5, 6, 7], [10, 11, 12], [[8, 9]], [[13]]),  # caption phrases wider
+        ([5], [10], [[8, 9]], [[13, 14]]),  # vocabulary phrases wider
+    ],
+)
+def test_negative_phrases_keep_every_word(objects, attributes, nouns, adjectives):
+    """Multi-word phrases: the (adjective, noun) negative keeps the whole phrase it does
+    not replace and takes the whole vocabulary phrase it draws, whichever is wider."""
+    info = DataInfo(
+        grid_dim=4,
+        vocab_size=20,
+        negatives={"nouns": nouns, "adjectives": adjectives, "relations": [[15]]},
+    )
+    model, batch = make_model(info), _widths_batch(objects, attributes)
+    gen = torch.Generator().manual_seed(0)
+
+    def words(ids):
+        return [int(i) for i in ids if i]
+
+    swapped = set()
+    for _ in range(20):
+        neg = model.sample_negatives(batch, gen)
+        assert words(neg["objects"][0, 0]) == nouns[0]
+        noun, adjective = words(neg["attr_nouns"][0, 0]), words(neg["attr_adjectives"][0, 0])
+        assert (noun, adjective) in [(objects, adjectives[0]), (nouns[0], attributes)]
+        swapped.add(noun == objects)
+    assert swapped == {True, False}
+
+
+def test_adjectives_of_other_objects_are_negatives():
+    """The adjective replaced in (adjective, noun) is one not modifying the same object:
+    another object's adjective in the caption is a fine negative."""
+    batch = hand_batch()
+    # caption 0: 10 on object 0 ("5"), 12 on object 1 ("6")
+    batch["attribute_objects"] = torch.tensor([[0, 1], [0, 0]])
+    model, gen = make_model(), torch.Generator().manual_seed(0)
+    drawn = set()
+    for _ in range(60):
+        neg = model.sample_negatives(batch, gen)
+        if neg["attr_nouns"][0, 0, 0] == 5:  # the adjective of "5" was replaced
+            drawn.add(int(neg["attr_adjectives"][0, 0, 0]))
+    assert drawn == {11, 12}
+
+
+def test_has_components_when_any_kind_is_there():
+    model, batch = make_model(), hand_batch()
+    none = torch.zeros(2, 2, dtype=torch.bool)
+    one = torch.tensor([[True, False], [False, False]])  # caption 0 only
+    for omask, amask, rmask in [(one, none, none), (none, one, none), (none, none, one)]:
+        masks = {"object_mask": omask, "attribute_mask": amask, "relation_mask": rmask[:, :1]}
+        with torch.no_grad():
+            u = model.encode_components({**batch, **masks})
+        assert u["has_comp"].tolist() == [True, False]
+
+
+def test_relation_with_a_short_predicate_reads_the_object_next():
+    """u_rel = psi(phi(w_s), phi(w_r..), phi(w_o)): a one-word predicate padded to the
+    batch's width is followed by the object, and psi stops there."""
+    model = make_model()
+    with torch.no_grad():
+        got = model.encode_relation(
+            torch.tensor([[5], [7]]),
+            torch.tensor([[15, 0, 0], [17, 18, 0]]),
+            torch.tensor([[6], [8]]),
+        )
+        for row, ids in enumerate([(5, 15, 6), (7, 17, 18, 8)]):
+            want = gru_direct(model, [phi_direct(model, word(model, i)) for i in ids])
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
 
 
 def test_captions_without_attributes_or_relations_give_finite_loss_and_grads():
