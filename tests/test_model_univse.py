@@ -493,50 +493,62 @@ def test_sample_is_uniform_among_the_allowed_entries():
         assert index.dtype == torch.long and index.device.type == "cpu"
 
 
-def _widths_batch(objects, attributes) -> dict:
-    """One caption: one object phrase, one attribute phrase on it, one relation."""
+def _widths_batch(objects, attributes, predicates) -> dict:
+    """One caption: one object phrase, one attribute phrase on it, and two relations of
+    the object to itself with the given predicates."""
     return {
         "objects": torch.tensor([[objects]]),
         "object_mask": torch.tensor([[True]]),
         "attributes": torch.tensor([[attributes]]),
         "attribute_mask": torch.tensor([[True]]),
         "attribute_objects": torch.tensor([[0]]),
-        "relations": torch.tensor([[[16]]]),
-        "relation_mask": torch.tensor([[True]]),
-        "relation_subjects": torch.tensor([[0]]),
-        "relation_objects": torch.tensor([[0]]),
+        "relations": torch.tensor([predicates]),
+        "relation_mask": torch.tensor([[True, True]]),
+        "relation_subjects": torch.tensor([[0, 0]]),
+        "relation_objects": torch.tensor([[0, 0]]),
     }
 
 
 @pytest.mark.parametrize(
-    "objects, attributes, nouns, adjectives",
+    "objects, attributes, predicates, vocab",
     [
-        ([5, 6, 7], [10, 11, 12], [[8, 9]], [[13]]),  # caption phrases wider
-        ([5], [10], [[8, 9]], [[13, 14]]),  # vocabulary phrases wider
+        # caption phrases wider than the vocabulary's
+        ([5, 6, 7], [10, 11, 12], [[16, 17, 18], [16, 0, 0]], ([[8, 9]], [[13]], [[15]])),
+        # vocabulary phrases wider than the caption's (and than there are phrases)
+        ([5], [10], [[16], [17]], ([[8, 9]], [[13, 14]], [[15, 14]])),
     ],
 )
-def test_negative_phrases_keep_every_word(objects, attributes, nouns, adjectives):
-    """Multi-word phrases: the (adjective, noun) negative keeps the whole phrase it does
-    not replace and takes the whole vocabulary phrase it draws, whichever is wider."""
+def test_negative_phrases_keep_every_word(objects, attributes, predicates, vocab):
+    """Multi-word phrases: the (adjective, noun) and (subject, predicate, object)
+    negatives keep the whole phrases they do not replace and take the whole vocabulary
+    phrase they draw, whichever is wider."""
+    nouns, adjectives, relations = vocab
     info = DataInfo(
         grid_dim=4,
         vocab_size=20,
-        negatives={"nouns": nouns, "adjectives": adjectives, "relations": [[15]]},
+        negatives={"nouns": nouns, "adjectives": adjectives, "relations": relations},
     )
-    model, batch = make_model(info), _widths_batch(objects, attributes)
+    model, batch = make_model(info), _widths_batch(objects, attributes, predicates)
     gen = torch.Generator().manual_seed(0)
 
     def words(ids):
         return [int(i) for i in ids if i]
 
-    swapped = set()
-    for _ in range(20):
+    attr_swaps, rel_swaps = set(), set()
+    for _ in range(30):
         neg = model.sample_negatives(batch, gen)
         assert words(neg["objects"][0, 0]) == nouns[0]
         noun, adjective = words(neg["attr_nouns"][0, 0]), words(neg["attr_adjectives"][0, 0])
         assert (noun, adjective) in [(objects, adjectives[0]), (nouns[0], attributes)]
-        swapped.add(noun == objects)
-    assert swapped == {True, False}
+        attr_swaps.add(noun == objects)
+        for r in range(2):
+            triple = [words(neg[f"rel_{k}"][0, r]) for k in ("subjects", "predicates", "objects")]
+            positive = [objects, words(predicates[r]), objects]
+            replaced = [i for i in range(3) if triple[i] != positive[i]]
+            assert len(replaced) == 1
+            assert triple[replaced[0]] == (relations[0] if replaced[0] == 1 else nouns[0])
+            rel_swaps.add(replaced[0])
+    assert attr_swaps == {True, False} and rel_swaps == {0, 1, 2}
 
 
 def test_adjectives_of_other_objects_are_negatives():
@@ -607,6 +619,30 @@ def test_bf16_autocast():
 
 
 # ---- GloVe (sec. 3.2) -------------------------------------------------------------------
+
+
+def test_initialisation_and_what_checkpoints_hold():
+    """Word embeddings U(-0.1, 0.1) with <pad> (id 0) zero and never trained, the 1x1
+    convolution Xavier-uniform (as VSE++'s image FC); the negative-sampling vocabularies
+    come from the data, not from the checkpoint."""
+    info = DataInfo(grid_dim=64, vocab_size=300, negatives=INFO.negatives)
+    model = make_model(info, embed_size=64, d_basic=32, d_modif=32)
+    for table in (model.basic.weight, model.modif.weight):
+        assert torch.equal(table[0], torch.zeros_like(table[0]))
+        rest = table[1:]
+        assert rest.abs().max() <= 0.1 and rest.min() < -0.099 and rest.max() > 0.099
+    r = math.sqrt(6.0 / (64 + 64))
+    w = model.conv.weight
+    assert w.abs().max() <= r and w.min() < -0.99 * r and w.max() > 0.99 * r
+    assert torch.equal(model.conv.bias, torch.zeros(64))
+    assert not any(key.startswith("neg_") for key in model.state_dict())
+    # <start> (id 1) is trained like any word, <pad> is not
+    batch = {**hand_batch(), "epoch": 3}
+    small = make_model()
+    small.loss(batch)["loss"].backward()
+    for table in (small.basic.weight, small.modif.weight):
+        assert table.grad[1].abs().sum() > 0
+        assert torch.equal(table.grad[0], torch.zeros_like(table.grad[0]))
 
 
 def test_glove_rows_are_copied_and_missing_words_stay_random(tmp_path):
