@@ -180,6 +180,16 @@ def test_gru_text_matches_the_gru_on_each_unpadded_caption(bidirectional):
     # word embeddings start U(-0.1, 0.1), as VSE++'s and SCAN's
     w = enc.embed.weight
     assert w.abs().max() <= 0.1 and w.std() > 0.05
+    # <pad> (id 0) is never trained, even where an empty caption reads it; words are
+    pooled.sum().backward()
+    assert torch.equal(w.grad[0], torch.zeros(5))
+    assert all(w.grad[i].abs().sum() > 0 for i in (3, 7, 8))
+
+
+def test_gru_text_is_one_directional_unless_asked():
+    """VSE++'s text encoder (eq. 2) is a one-direction GRU."""
+    enc = GRUText(vocab_size=12, word_dim=5, embed_size=4)
+    assert not enc.bidirectional and not enc.rnn.bidirectional
 
 
 # ----------------------------------------------------------------------------- devices
