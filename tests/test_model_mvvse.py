@@ -17,6 +17,7 @@ from models.mvvse import (
     GPO,
     MVVSE,
     MVVSEConfig,
+    RegionEncoder,
     mv_avg_triplet,
     mv_max_triplet,
     mv_up_triplet,
@@ -142,6 +143,61 @@ def test_indicators_hand_made():
     assert torch.equal(ind_v, 0.2 - star.diag() + neg.amax(0) > 0)
     assert ind_t.any() and not ind_t.all()  # the checks above are not vacuous
     assert ind_v.any() and not ind_v.all()
+
+
+def test_indicators_are_strict_at_the_margin():
+    """Eq. 11-12: 1 iff alpha - s(v_k, t) + s* > 0 in every view; a view exactly at the
+    margin (binary fractions, so exactly 0) turns the indicator off."""
+    # pair 0: views (0.75, 0.5), hardest negatives 0.5 both ways; margin 0.25
+    # view 0: 0.25 - 0.75 + 0.5 = 0 (not > 0); view 1: 0.25 - 0.5 + 0.5 = 0.25
+    s = torch.tensor(
+        [
+            [[0.75, 0.5], [0.5, 0.5]],
+            [[0.5, 0.5], [1.0, 1.0]],
+        ],
+        dtype=torch.float64,
+    )
+    ind_t, ind_v = up_indicators(s, 0.25)
+    assert ind_t.tolist() == [False, False] and ind_v.tolist() == [False, False]
+    assert mv_up_triplet(s, 0.25).item() == 0.0
+    # just inside the margin in view 0: both views violate, both count
+    ind_t, _ = up_indicators(s, 0.25 + 2**-20)
+    assert ind_t.tolist() == [True, False]
+
+
+def test_region_encoder_against_direct():
+    """vse_infty's precomp encoder: fc(x) + W2 relu(BN(W1 x)), the batch statistics of
+    BN over the valid regions only in training, its running statistics in evaluation."""
+    torch.manual_seed(0)
+    enc = RegionEncoder(region_dim=6, embed_size=8)
+    x = torch.randn(3, 4, 6)
+    lengths = torch.tensor([4, 2, 1])
+    x[1, 2:] = 100.0  # padding, far from the real values
+    x[2, 1:] = -100.0
+    valid = torch.cat([x[b, :n] for b, n in enumerate(lengths.tolist())])  # (7, 6)
+
+    def direct(train: bool):
+        h = valid @ enc.mlp_in.weight.t() + enc.mlp_in.bias  # (7, 4)
+        bn = enc.mlp_bn
+        if train:
+            mean, var = h.mean(0), h.var(0, unbiased=False)
+        else:
+            mean, var = bn.running_mean, bn.running_var
+        normed = (h - mean) / torch.sqrt(var + bn.eps) * bn.weight + bn.bias
+        mlp = normed.clamp_min(0) @ enc.mlp_out.weight.t() + enc.mlp_out.bias
+        return valid @ enc.fc.weight.t() + enc.fc.bias + mlp  # (7, 8)
+
+    for train in (True, False):
+        enc.train(train)
+        with torch.no_grad():
+            want = direct(train)
+            got = enc(x, lengths)  # (3, 4, 8)
+        rows = torch.cat([got[b, :n] for b, n in enumerate(lengths.tolist())])
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+    # the running mean moved towards the valid regions' mean only
+    with torch.no_grad():
+        h = valid @ enc.mlp_in.weight.t() + enc.mlp_in.bias
+    torch.testing.assert_close(enc.mlp_bn.running_mean, 0.1 * h.mean(0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(8))
