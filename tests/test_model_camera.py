@@ -195,6 +195,23 @@ def test_image_branch_is_eq_8_to_14_on_the_valid_regions():
         torch.testing.assert_close(views[b], want, rtol=1e-5, atol=1e-5)
 
 
+def test_view_attention_is_the_softmax_over_the_valid_regions():
+    """Each view's weights over the regions (S-bar of eq. 13), 0 at padded regions; an
+    image whose every region is padding (length 0) attends to its first one."""
+    model = small_model(seed=3).eval()
+    batch = random_batch(seed=4)
+    batch["region_lengths"] = torch.tensor([5, 0, 3])
+    with torch.no_grad():
+        got = model.view_attention(batch)  # (B, N, R)
+        _, logits, _ = model._image(batch)  # (B, R, N)
+    assert got.shape == (3, 4, 5)
+    for b, n in enumerate([5, 1, 3]):
+        for v in range(4):
+            z = [math.exp(float(logits[b, r, v])) for r in range(n)]
+            want = [x / sum(z) for x in z] + [0.0] * (5 - n)
+            assert got[b, v].tolist() == pytest.approx(want, abs=1e-6)
+
+
 def test_a_bf16_model_reads_float32_boxes():
     """A model cast to bf16 for inference, with the boxes and aspect ratios as the
     stores give them (float32 and float64): the box code follows the model's dtype."""

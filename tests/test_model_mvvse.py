@@ -339,6 +339,27 @@ def test_shapes_inputs_and_similarity():
         assert not torch.allclose(img[:, 0], img[:, 1])  # the views are distinct aggregators
 
 
+def test_view_attention_is_each_views_cosine_with_each_region():
+    """What Fig. 5 draws: the cosine of each region's feature (eq. 1) with each view's
+    embedding v_k (eq. 4), 0 at padded regions."""
+    data = TinyPairs(n_images=4)
+    torch.manual_seed(0)
+    model = MVVSE(MVVSEConfig(**SMALL), data.info).eval()
+    batch = data.image_batch(np.arange(4))
+    batch["region_lengths"] = torch.tensor([4, 2, 1, 3])
+    with torch.no_grad():
+        got = model.view_attention(batch)  # (B, K, R)
+        feats = model.regions(batch["regions"], batch["region_lengths"])  # (B, R, D)
+        views = model.encode_image(batch)  # (B, K, D)
+    assert got.shape == (4, 3, 4)
+    for b, n in enumerate([4, 2, 1, 3]):
+        for k in range(3):
+            for r in range(4):
+                f, v = feats[b, r], views[b, k]
+                want = float(f @ v / (f.norm() * v.norm())) if r < n else 0.0
+                assert got[b, k, r].item() == pytest.approx(want, abs=1e-5)
+
+
 def test_bert_option_reads_tokens_not_words():
     data = TinyPairs(n_images=4)
     model = MVVSE(MVVSEConfig(text_encoder="bert", **SMALL), data.info).eval()

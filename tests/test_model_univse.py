@@ -698,6 +698,28 @@ def test_glove_files_as_they_come(tmp_path):
     assert str(err.value) == f"{empty}: no GloVe vectors in this file"
 
 
+def test_prepare_reads_the_glove_file_for_the_training_vocabulary(tmp_path):
+    path = tmp_path / "glove.txt"
+    path.write_text("table 4 5 6\nclock 1 2 3\n")
+
+    class Data:  # what prepare reads of the training data
+        word_index = {"<pad>": 0, "clock": 1, "table": 2, "wall": 3}
+
+    info = DataInfo(grid_dim=4, vocab_size=4)
+    logged = []
+    model = make_model(info, d_basic=3, glove=str(path))
+    before = model.basic.weight.detach().clone()
+    model.prepare(Data(), log=logged.append)
+    after = model.basic.weight.detach()
+    assert after[1].tolist() == [1, 2, 3] and after[2].tolist() == [4, 5, 6]
+    assert torch.equal(after[3], before[3])
+    assert logged == [f"univse: 2 basic word embeddings initialised from {path}"]
+    plain = make_model(info, d_basic=3)  # no glove: nothing read, nothing said
+    before = plain.basic.weight.detach().clone()
+    plain.prepare(Data(), log=logged.append)
+    assert torch.equal(plain.basic.weight, before) and len(logged) == 1
+
+
 # ---- overfit ----------------------------------------------------------------------------
 
 
