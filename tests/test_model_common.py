@@ -60,6 +60,17 @@ def test_host_lengths_keeps_the_host_copy():
     on_device.host = lengths  # what models.data.to_device keeps
     assert host_lengths(on_device) is lengths
 
+    class OnGPU:  # lengths on a GPU without a host copy, as host_lengths sees them
+        device = torch.device("cuda", 0)
+
+        def cpu(self):
+            return lengths
+
+    assert host_lengths(OnGPU()) is lengths  # copied back
+    kept = OnGPU()
+    kept.host = torch.tensor([5])
+    assert host_lengths(kept) is kept.host
+
 
 # ----------------------------------------------------------------------------- similarities
 

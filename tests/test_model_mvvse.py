@@ -13,6 +13,7 @@ import torch
 from model_data import TinyPairs, overfit
 
 from models.common import hinge_triplet
+from models.data import DataInfo
 from models.mvvse import (
     GPO,
     MVVSE,
@@ -313,9 +314,33 @@ def test_gpo_pools_sorted_features_with_size_weights():
                 vals = sorted(x[b, :n, d].tolist(), reverse=True)
                 want = sum(w[b, j].item() * vals[j] for j in range(n))
                 assert got[b, d].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+    # bf16 features (a bf16 model or autocast) pool into bf16
+    half = gpo(x.bfloat16(), lengths)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), got, rtol=0.02, atol=0.05)
 
 
 # ----------------------------------------------------------------------------- model
+
+
+def test_architecture_follows_the_config():
+    """K GPOs with the configured encoding size, GRU size and temperature; a BiGRU text
+    encoder (eq. 1); the region MLP's hidden layer half the embedding, the region FC
+    Xavier-uniform (vse_infty's ``EncoderImageAggr``)."""
+    info = DataInfo(region_dim=40, vocab_size=10, token_dim=8)
+    cfg = MVVSEConfig(embed_size=88, word_dim=8, gpo_pe_dim=6, gpo_hidden=5, gpo_temperature=0.3)
+    torch.manual_seed(0)
+    model = MVVSE(cfg, info)
+    for gpo in [*model.views, model.text_gpo]:
+        assert (gpo.pe_dim, gpo.gru.hidden_size, gpo.temperature) == (6, 5, 0.3)
+        assert gpo.gru.input_size == 6 and gpo.gru.bidirectional
+    assert model.words.bidirectional and model.words.rnn.bidirectional
+    enc = model.regions
+    assert enc.mlp_in.out_features == 44 and enc.mlp_out.in_features == 44
+    r = math.sqrt(6.0 / (40 + 88))
+    w = enc.fc.weight
+    assert w.abs().max() <= r and w.min() < -0.99 * r and w.max() > 0.99 * r
+    assert torch.equal(enc.fc.bias, torch.zeros(88))
 
 
 def test_shapes_inputs_and_similarity():
