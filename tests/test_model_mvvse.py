@@ -280,6 +280,16 @@ def test_positional_encoding_formula():
             assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_gpo_defaults_are_vse_infty_s():
+    """GPO's ``gpo.py``: d_pe = d_hidden = 32, a one-layer BiGRU, a linear score without
+    bias, temperature 0.1."""
+    gpo = GPO()
+    assert (gpo.pe_dim, gpo.temperature) == (32, 0.1)
+    gru = gpo.gru
+    assert (gru.input_size, gru.hidden_size, gru.num_layers, gru.bidirectional) == (32, 32, 1, True)
+    assert gpo.linear.in_features == 32 and gpo.linear.bias is None
+
+
 def test_gpo_weights_direct_and_size_only():
     torch.manual_seed(0)
     gpo = GPO(pe_dim=8, hidden=6, temperature=0.1)
