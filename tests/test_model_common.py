@@ -42,7 +42,7 @@ def test_workers_need_a_batch_ahead():
     assert TrainConfig(num_workers=2, prefetch=1).num_workers == 2
 
 
-def test_autocast_is_bf16_on_cuda_and_off_elsewhere():
+def test_autocast_is_bf16_on_cuda_and_off_elsewhere(monkeypatch):
     with autocast(torch.device("cpu")):
         assert not torch.is_autocast_enabled("cpu")
         assert torch.mm(_rand(2, 2), _rand(2, 2)).dtype == torch.float32
@@ -51,6 +51,15 @@ def test_autocast_is_bf16_on_cuda_and_off_elsewhere():
         cuda = autocast(torch.device("cuda"))
     assert cuda.device == "cuda" and cuda.fast_dtype == torch.bfloat16
     assert cuda._enabled == torch.cuda.is_available()
+    # what is asked of torch, whether or not this machine has a GPU
+    asked = []
+    monkeypatch.setattr(torch, "autocast", lambda *a, **kw: asked.append((a, kw)))
+    autocast(torch.device("cuda", 0))
+    autocast(torch.device("cpu"))
+    assert asked == [
+        (("cuda",), {"dtype": torch.bfloat16, "enabled": True}),
+        (("cpu",), {"dtype": torch.bfloat16, "enabled": False}),
+    ]
 
 
 def test_host_lengths_keeps_the_host_copy():
