@@ -7,10 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
-from models.camera import AGSA, CAMERA, CAMERAConfig, box_code, diversity
+from models.camera import AGSA, CAMERA, CAMERAConfig, Summarization, box_code, diversity
 from models.data import DataInfo
 
 SMALL = dict(
@@ -31,11 +32,11 @@ def small_model(seed: int = 0, **overrides) -> CAMERA:
 
 def random_batch(b: int = 3, r: int = 5, t: int = 4, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    corners = torch.rand(b, r, 2, 2, generator=g).sort(dim=2).values  # x1<x2, y1<y2
+    corners = torch.rand(b, r, 2, 2, generator=g).sort(dim=2).values  # (x1, y1) < (x2, y2)
     return {
         "regions": torch.randn(b, r, 10, generator=g),
         "region_lengths": torch.tensor([r, 2, 3][:b]),
-        "boxes": corners.transpose(2, 3).reshape(b, r, 4),  # x1, y1, x2, y2
+        "boxes": corners.reshape(b, r, 4),  # x1, y1, x2, y2
         "tokens": torch.randn(b, t, 6, generator=g),
         "token_lengths": torch.tensor([t, 1, 2][:b]),
     }
@@ -63,6 +64,14 @@ def test_config_defaults_are_the_papers():
 def test_config_rejects(bad, message):
     with pytest.raises(ValidationError, match=message):
         CAMERAConfig(**bad)
+
+
+def test_summarization_refuses_a_ragged_pyramid():
+    """Table 1 gives each kernel its dilation and channels: the module built without
+    the config's check refuses lists of different lengths rather than dropping kernels."""
+    with pytest.raises(ValueError):
+        Summarization(8, 2, kernels=[1, 3, 3], dilations=[1, 2], channels=[4, 4, 4])
+    assert len(Summarization(8, 2, [1, 3], [1, 2], [4, 4]).convs) == 2
 
 
 def test_box_code_is_eq_9():
@@ -139,6 +148,85 @@ def test_views_are_eq_14_with_softmax_over_valid_regions():
         expected = w.t() @ vbar
     expected = expected / expected.norm(dim=-1, keepdim=True)
     torch.testing.assert_close(views[1], expected, atol=1e-5, rtol=1e-5)
+
+
+def _box_code_by_hand(box: list[float], aspect: float) -> list[float]:
+    """Eq. 9 for one normalised box of an image ``aspect`` = width / height."""
+    x1, y1, x2, y2 = box
+    w, h = x2 - x1, y2 - y1
+    return [x1, y1, w, h, w / h * aspect, w * h]
+
+
+def test_image_branch_is_eq_8_to_14_on_the_valid_regions():
+    """Each image recomputed on its valid regions alone: FC (eq. 8), the box code in
+    pixels (eq. 9) through FC + sigmoid (eq. 10), AGSA (eq. 11, tested above), the
+    pyramid of dilated convolutions with zero padding and a ReLU (eq. 12), the FC to N
+    logits (eq. 13), the softmax over the regions and the views (eq. 14)."""
+    model = small_model(seed=3).eval()
+    batch = random_batch(seed=4)
+    batch["region_lengths"] = torch.tensor([5, 1, 3])
+    batch["image_aspect"] = torch.tensor([1.5, 0.75, 1.0])
+    with torch.no_grad():
+        views, logits, mask = model._image(batch)
+    assert mask.sum(1).tolist() == [5, 1, 3]
+    for b, n in enumerate([5, 1, 3]):
+        with torch.no_grad():
+            v = batch["regions"][b, :n] @ model.region_fc.weight.t() + model.region_fc.bias
+            aspect = float(batch["image_aspect"][b])
+            code = torch.tensor(
+                [_box_code_by_hand(r, aspect) for r in batch["boxes"][b, :n].tolist()]
+            )
+            fc = model.position_fc
+            p = torch.sigmoid(code @ fc.weight.t() + fc.bias)
+            vbar = model.image_agsa((v * p)[None], torch.ones(1, n, dtype=torch.bool))[0]
+            maps = []
+            pyramid = zip(model.summarize.convs, SMALL["kernels"], SMALL["dilations"], strict=True)
+            for conv, k, r in pyramid:
+                y = F.conv1d(
+                    vbar.t()[None], conv.weight, conv.bias, padding=r * (k - 1) // 2, dilation=r
+                )
+                maps.append(y[0].clamp_min(0))  # (c_k, n)
+            s = torch.cat(maps).t()  # (n, sum c_k)
+            want_logits = s @ model.summarize.fc.weight.t() + model.summarize.fc.bias  # (n, N)
+            weights = torch.softmax(want_logits, dim=0)  # over the regions
+            want = weights.t() @ vbar  # (N, D)
+            want = want / want.norm(dim=-1, keepdim=True)
+        torch.testing.assert_close(logits[b, :n], want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(views[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_view_attention_is_the_softmax_over_the_valid_regions():
+    """Each view's weights over the regions (S-bar of eq. 13), 0 at padded regions; an
+    image whose every region is padding (length 0) attends to its first one."""
+    model = small_model(seed=3).eval()
+    batch = random_batch(seed=4)
+    batch["region_lengths"] = torch.tensor([5, 0, 3])
+    with torch.no_grad():
+        got = model.view_attention(batch)  # (B, N, R)
+        _, logits, _ = model._image(batch)  # (B, R, N)
+    assert got.shape == (3, 4, 5)
+    for b, n in enumerate([5, 1, 3]):
+        for v in range(4):
+            z = [math.exp(float(logits[b, r, v])) for r in range(n)]
+            want = [x / sum(z) for x in z] + [0.0] * (5 - n)
+            assert got[b, v].tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_a_bf16_model_reads_float32_boxes():
+    """A model cast to bf16 for inference, with the boxes and aspect ratios as the
+    stores give them (float32 and float64): the box code follows the model's dtype."""
+    model = small_model().eval()
+    batch = random_batch()
+    batch["image_aspect"] = torch.tensor([1.5, 0.75, 1.0], dtype=torch.float64)
+    code = box_code(batch["boxes"], batch["image_aspect"])
+    assert code.dtype == torch.float32
+    with torch.no_grad():
+        want = model.encode_image(batch)
+        half = model.to(torch.bfloat16)
+        regions = {**batch, "regions": batch["regions"].bfloat16()}
+        got = half.encode_image(regions)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0)
 
 
 def test_text_is_eq_15_to_18():

@@ -12,7 +12,7 @@ from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.data import DataInfo
-from models.huse import HUSE, HUSEConfig, gap_loss, graph_loss
+from models.huse import HUSE, HUSEConfig, cosine_distance, gap_loss, graph_loss, tower
 
 SMALL = dict(hidden=64, image_layers=2, text_layers=2, dropout=0.0)
 
@@ -94,20 +94,62 @@ def test_tfidf_input_is_used_only_when_enabled():
         HUSE(HUSEConfig(use_tfidf=True), _info(tfidf_dim=0))
 
 
-def test_missing_graph_fails_clearly():
-    with pytest.raises(ValueError, match="graph loss"):
-        HUSE(HUSEConfig(**SMALL), DataInfo(image_dim=4, document_dim=4, n_classes=3))
-    with pytest.raises(ValueError, match="n_classes"):
-        wrong = DataInfo(image_dim=4, document_dim=4, n_classes=2, class_distances=[[0.0] * 3] * 3)
-        HUSE(HUSEConfig(**SMALL), wrong)
+BAD_INFO = [
+    (
+        dict(n_classes=3, class_distances=None),
+        "HUSE's graph loss (eqs. 9-11) needs the semantic graph A from class-name "
+        "embeddings: DataInfo.class_distances is None (open the data with a "
+        "class_embedder, e.g. Sentence-BERT on the manifest's class names)",
+    ),
+    (
+        dict(n_classes=2, class_distances=[[0.0] * 3] * 3),
+        "HUSE needs class labels and an n_classes x n_classes class_distances; got "
+        "n_classes=2, class_distances of shape (3, 3)",
+    ),
+    (
+        dict(n_classes=0, class_distances=[]),
+        "HUSE needs class labels and an n_classes x n_classes class_distances; got "
+        "n_classes=0, class_distances of shape (0,)",
+    ),
+    (dict(tfidf_dim=0), "use_tfidf is on but DataInfo.tfidf_dim is 0 (no TF-IDF terms)"),
+    (dict(image_dim=0), "HUSE needs image_dim and document_dim > 0; got 0, 10"),
+    (dict(document_dim=0), "HUSE needs image_dim and document_dim > 0; got 12, 0"),
+]
 
 
-def test_loss_terms_match_loops():
-    """L_class (eq. 8), L_graph (eqs. 9-11) on the 2B image+text items, L_gap (eq. 12),
-    and the weighted sum (eq. 5), against plain loops."""
+@pytest.mark.parametrize("change, message", BAD_INFO)
+def test_unusable_data_fails_in_one_line(change, message):
+    good = dict(image_dim=12, document_dim=10, tfidf_dim=7, n_classes=1, class_distances=[[0.0]])
+    HUSE(HUSEConfig(**SMALL), DataInfo(**good))  # one class, and the sizes, are enough
+    HUSE(
+        HUSEConfig(**SMALL), DataInfo(**{**good, "image_dim": 1, "document_dim": 1, "tfidf_dim": 1})
+    )
+    with pytest.raises(ValueError) as err:
+        HUSE(HUSEConfig(**SMALL), DataInfo(**{**good, **change}))
+    assert str(err.value) == message
+
+
+def _linear(layer: torch.nn.Linear, x: list[float]) -> list[float]:
+    """``W x + b`` with loops."""
+    rows = zip(layer.weight.tolist(), layer.bias.tolist(), strict=True)
+    return [sum(wi * xi for wi, xi in zip(w, x, strict=True)) + b for w, b in rows]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_loss_terms_match_loops(shared):
+    """L_class (eq. 8; image logits from the image layer, text logits from the text
+    layer when they are not shared), L_graph (eqs. 9-11) on the 2B image+text items,
+    L_gap (eq. 12), and the weighted sum (eq. 5), against plain loops."""
     torch.manual_seed(0)
     info = _info(n_classes=4)
-    cfg = HUSEConfig(**SMALL, class_weight=0.7, graph_weight=1.3, gap_weight=0.4, margin=0.6)
+    cfg = HUSEConfig(
+        **SMALL,
+        class_weight=0.7,
+        graph_weight=1.3,
+        gap_weight=0.4,
+        margin=0.6,
+        shared_classifier=shared,
+    )
     model = HUSE(cfg, info).eval()
     batch = _batch(info, b=6)
     out = model.loss(batch)
@@ -115,7 +157,9 @@ def test_loss_terms_match_loops():
     with torch.no_grad():
         img = model.encode_image(batch).tolist()
         txt = model.encode_text(batch).tolist()
-        logits = model.classify(torch.tensor(img + txt)).tolist()
+        text_layer = model.classifier if shared else model.text_classifier
+        logits = [_linear(model.classifier, u) for u in img]
+        logits += [_linear(text_layer, u) for u in txt]
     labels = batch["labels"].tolist() + batch["text_labels"].tolist()
     a = info.class_distances
     emb = img + txt
@@ -176,6 +220,63 @@ def test_graph_mask_drops_far_pairs_and_keeps_close_ones():
     assert graph_loss(e1, same, far, margin=0.5).item() == pytest.approx(0.5, abs=1e-6)
 
 
+def test_graph_mask_is_strict_at_the_margin():
+    """Eq. 10: s_ij = 1 iff A[y_i, y_j] < m or d(u_i, u_j) < m, so a pair exactly at the
+    margin on both counts adds nothing, and one just inside it on either count adds."""
+    e = torch.tensor([[1.0, 0.0], [0.6, 0.8]])  # d = 0.4 up to rounding
+    labels = torch.tensor([0, 1])
+    d = float(cosine_distance(e, e)[0, 1])  # the float32 value the mask compares
+    # d exactly at the margin, A above it: s_ij = 0
+    far = torch.tensor([[0.0, 0.9], [0.9, 0.0]])
+    assert graph_loss(e, labels, far, margin=d).item() == 0.0
+    above = float(np.nextafter(np.float32(d), np.float32(1)))  # d < m in float32
+    assert graph_loss(e, labels, far, margin=above).item() == pytest.approx(
+        2 * (d - 0.9) ** 2 / 4, rel=1e-5
+    )
+    # A exactly at the margin (0.5), d above it (1.0): s_ij = 0
+    orthogonal = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    at = torch.tensor([[0.0, 0.5], [0.5, 0.0]])
+    assert graph_loss(orthogonal, labels, at, margin=0.5).item() == 0.0
+    assert graph_loss(orthogonal, labels, at, margin=0.5001).item() == pytest.approx(
+        2 * 0.5**2 / 4, rel=1e-5
+    )
+
+
+def test_towers_are_fc_layers_with_relu_and_dropout_between():
+    """Sec. 3.2 / 4.1.3: FC layers, ReLU and dropout between them, the last one linear."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5)
+    for layers in (1, 2, 3):
+        net = tower(5, layers, 4, dropout=0.15)
+        linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+        drops = [m for m in net if isinstance(m, torch.nn.Dropout)]
+        assert len(linears) == layers and len(drops) == layers - 1
+        assert all(m.p == 0.15 for m in drops)
+        assert [linears[0].in_features] + [m.in_features for m in linears[1:]] == [5] + [4] * (
+            layers - 1
+        )
+        net.eval()
+        want = x
+        for k, lin in enumerate(linears):
+            want = want @ lin.weight.t() + lin.bias
+            if k < layers - 1:
+                want = want.clamp_min(0)
+        torch.testing.assert_close(net(x), want)
+        assert (net(x) < 0).any()  # the last layer is linear: no ReLU after it
+        net.train()  # dropout between the layers only: the first layer's output is kept
+        torch.testing.assert_close(net[0](x), x @ linears[0].weight.t() + linears[0].bias)
+
+
+def test_tfidf_in_float64_as_scikit_learn_gives_it():
+    """A dense TF-IDF matrix from scikit-learn is float64: the text tower takes it in the
+    document feature's dtype."""
+    info = _info()
+    model = HUSE(HUSEConfig(**SMALL), info).eval()
+    batch = _batch(info)
+    wide = dict(batch, tfidf=batch["tfidf"].double())
+    torch.testing.assert_close(model.encode_text(wide), model.encode_text(batch))
+
+
 def test_gap_loss_hand_values():
     img = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     txt = torch.tensor([[1.0, 0.0], [3.0, 0.0]])
@@ -191,8 +292,12 @@ def test_classification_layer_is_shared_or_not():
     split = HUSE(HUSEConfig(**SMALL, shared_classifier=False), info).eval()
     txt = split.encode_text(batch)
     assert not torch.allclose(split.classify(txt, "text"), split.classify(txt, "image"))
-    with pytest.raises(ValueError, match="side"):
+    # each side its own layer (eq. 6 without the sharing)
+    torch.testing.assert_close(split.classify(txt, "image"), split.classifier(txt))
+    torch.testing.assert_close(split.classify(txt, "text"), split.text_classifier(txt))
+    with pytest.raises(ValueError) as err:
         split.classify(txt)
+    assert str(err.value) == "shared_classifier is off: classify needs side='image' or 'text'"
     assert torch.isfinite(split.loss(batch)["loss"])
 
 

@@ -13,10 +13,12 @@ import torch
 from model_data import TinyPairs, overfit
 
 from models.common import hinge_triplet
+from models.data import DataInfo
 from models.mvvse import (
     GPO,
     MVVSE,
     MVVSEConfig,
+    RegionEncoder,
     mv_avg_triplet,
     mv_max_triplet,
     mv_up_triplet,
@@ -144,6 +146,61 @@ def test_indicators_hand_made():
     assert ind_v.any() and not ind_v.all()
 
 
+def test_indicators_are_strict_at_the_margin():
+    """Eq. 11-12: 1 iff alpha - s(v_k, t) + s* > 0 in every view; a view exactly at the
+    margin (binary fractions, so exactly 0) turns the indicator off."""
+    # pair 0: views (0.75, 0.5), hardest negatives 0.5 both ways; margin 0.25
+    # view 0: 0.25 - 0.75 + 0.5 = 0 (not > 0); view 1: 0.25 - 0.5 + 0.5 = 0.25
+    s = torch.tensor(
+        [
+            [[0.75, 0.5], [0.5, 0.5]],
+            [[0.5, 0.5], [1.0, 1.0]],
+        ],
+        dtype=torch.float64,
+    )
+    ind_t, ind_v = up_indicators(s, 0.25)
+    assert ind_t.tolist() == [False, False] and ind_v.tolist() == [False, False]
+    assert mv_up_triplet(s, 0.25).item() == 0.0
+    # just inside the margin in view 0: both views violate, both count
+    ind_t, _ = up_indicators(s, 0.25 + 2**-20)
+    assert ind_t.tolist() == [True, False]
+
+
+def test_region_encoder_against_direct():
+    """vse_infty's precomp encoder: fc(x) + W2 relu(BN(W1 x)), the batch statistics of
+    BN over the valid regions only in training, its running statistics in evaluation."""
+    torch.manual_seed(0)
+    enc = RegionEncoder(region_dim=6, embed_size=8)
+    x = torch.randn(3, 4, 6)
+    lengths = torch.tensor([4, 2, 1])
+    x[1, 2:] = 100.0  # padding, far from the real values
+    x[2, 1:] = -100.0
+    valid = torch.cat([x[b, :n] for b, n in enumerate(lengths.tolist())])  # (7, 6)
+
+    def direct(train: bool):
+        h = valid @ enc.mlp_in.weight.t() + enc.mlp_in.bias  # (7, 4)
+        bn = enc.mlp_bn
+        if train:
+            mean, var = h.mean(0), h.var(0, unbiased=False)
+        else:
+            mean, var = bn.running_mean, bn.running_var
+        normed = (h - mean) / torch.sqrt(var + bn.eps) * bn.weight + bn.bias
+        mlp = normed.clamp_min(0) @ enc.mlp_out.weight.t() + enc.mlp_out.bias
+        return valid @ enc.fc.weight.t() + enc.fc.bias + mlp  # (7, 8)
+
+    for train in (True, False):
+        enc.train(train)
+        with torch.no_grad():
+            want = direct(train)
+            got = enc(x, lengths)  # (3, 4, 8)
+        rows = torch.cat([got[b, :n] for b, n in enumerate(lengths.tolist())])
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+    # the running mean moved towards the valid regions' mean only
+    with torch.no_grad():
+        h = valid @ enc.mlp_in.weight.t() + enc.mlp_in.bias
+    torch.testing.assert_close(enc.mlp_bn.running_mean, 0.1 * h.mean(0), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_upper_bound_chain(seed):
     """Eq. 14: L_Max <= L_Up <= L_Up-Rough, and strictly above Max when views differ."""
@@ -223,6 +280,16 @@ def test_positional_encoding_formula():
             assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_gpo_defaults_are_vse_infty_s():
+    """GPO's ``gpo.py``: d_pe = d_hidden = 32, a one-layer BiGRU, a linear score without
+    bias, temperature 0.1."""
+    gpo = GPO()
+    assert (gpo.pe_dim, gpo.temperature) == (32, 0.1)
+    gru = gpo.gru
+    assert (gru.input_size, gru.hidden_size, gru.num_layers, gru.bidirectional) == (32, 32, 1, True)
+    assert gpo.linear.in_features == 32 and gpo.linear.bias is None
+
+
 def test_gpo_weights_direct_and_size_only():
     torch.manual_seed(0)
     gpo = GPO(pe_dim=8, hidden=6, temperature=0.1)
@@ -257,9 +324,33 @@ def test_gpo_pools_sorted_features_with_size_weights():
                 vals = sorted(x[b, :n, d].tolist(), reverse=True)
                 want = sum(w[b, j].item() * vals[j] for j in range(n))
                 assert got[b, d].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+    # bf16 features (a bf16 model or autocast) pool into bf16
+    half = gpo(x.bfloat16(), lengths)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), got, rtol=0.02, atol=0.05)
 
 
 # ----------------------------------------------------------------------------- model
+
+
+def test_architecture_follows_the_config():
+    """K GPOs with the configured encoding size, GRU size and temperature; a BiGRU text
+    encoder (eq. 1); the region MLP's hidden layer half the embedding, the region FC
+    Xavier-uniform (vse_infty's ``EncoderImageAggr``)."""
+    info = DataInfo(region_dim=40, vocab_size=10, token_dim=8)
+    cfg = MVVSEConfig(embed_size=88, word_dim=8, gpo_pe_dim=6, gpo_hidden=5, gpo_temperature=0.3)
+    torch.manual_seed(0)
+    model = MVVSE(cfg, info)
+    for gpo in [*model.views, model.text_gpo]:
+        assert (gpo.pe_dim, gpo.gru.hidden_size, gpo.temperature) == (6, 5, 0.3)
+        assert gpo.gru.input_size == 6 and gpo.gru.bidirectional
+    assert model.words.bidirectional and model.words.rnn.bidirectional
+    enc = model.regions
+    assert enc.mlp_in.out_features == 44 and enc.mlp_out.in_features == 44
+    r = math.sqrt(6.0 / (40 + 88))
+    w = enc.fc.weight
+    assert w.abs().max() <= r and w.min() < -0.99 * r and w.max() > 0.99 * r
+    assert torch.equal(enc.fc.bias, torch.zeros(88))
 
 
 def test_shapes_inputs_and_similarity():
@@ -281,6 +372,27 @@ def test_shapes_inputs_and_similarity():
         )
         torch.testing.assert_close(sims, want, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(img[:, 0], img[:, 1])  # the views are distinct aggregators
+
+
+def test_view_attention_is_each_views_cosine_with_each_region():
+    """What Fig. 5 draws: the cosine of each region's feature (eq. 1) with each view's
+    embedding v_k (eq. 4), 0 at padded regions."""
+    data = TinyPairs(n_images=4)
+    torch.manual_seed(0)
+    model = MVVSE(MVVSEConfig(**SMALL), data.info).eval()
+    batch = data.image_batch(np.arange(4))
+    batch["region_lengths"] = torch.tensor([4, 2, 1, 3])
+    with torch.no_grad():
+        got = model.view_attention(batch)  # (B, K, R)
+        feats = model.regions(batch["regions"], batch["region_lengths"])  # (B, R, D)
+        views = model.encode_image(batch)  # (B, K, D)
+    assert got.shape == (4, 3, 4)
+    for b, n in enumerate([4, 2, 1, 3]):
+        for k in range(3):
+            for r in range(4):
+                f, v = feats[b, r], views[b, k]
+                want = float(f @ v / (f.norm() * v.norm())) if r < n else 0.0
+                assert got[b, k, r].item() == pytest.approx(want, abs=1e-5)
 
 
 def test_bert_option_reads_tokens_not_words():

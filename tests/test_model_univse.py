@@ -17,6 +17,8 @@ from models.data import DataInfo
 from models.univse import (
     UniVSE,
     UniVSEConfig,
+    _phrase_equal,
+    _sample,
     load_glove,
     ranking_loss,
     region_alignment,
@@ -150,6 +152,46 @@ def test_components_follow_phi_and_psi():
         # sentence: psi over phi of the caption's words (caption 1 has 4)
         seq = [phi_direct(model, word(model, i)) for i in (1, 7, 11, 2)]
         assert torch.allclose(u["sent"][1], gru_direct(model, seq), atol=1e-5)
+
+
+def test_multi_word_phrases_average_their_words():
+    """A phrase's basic and modifier embeddings are the means over its words, padding
+    excluded, for ids of any leading shape (``(..., W) -> (..., d)``)."""
+    model = make_model()
+    phrases = torch.tensor([[5, 6, 0], [7, 0, 0], [17, 18, 12]])  # (3, W=3)
+    basic, modif = model.basic.weight, model.modif.weight
+    with torch.no_grad():
+        want = []
+        for ids in ([5, 6], [7], [17, 18, 12]):
+            mean_basic = sum(basic[i] for i in ids) / len(ids)
+            mean_modif = sum(modif[i] for i in ids) / len(ids)
+            want.append(phi_direct(model, torch.cat([mean_basic, mean_modif])))
+        want = torch.stack(want)  # (3, d)
+        for shape in [(3, 3), (1, 3, 3), (3, 1, 1, 3)]:
+            got = model.encode_object(phrases.reshape(shape))
+            assert got.shape == (*shape[:-1], 16)
+            torch.testing.assert_close(got.reshape(3, 16), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(model.encode_object(phrases[1]), want[1], atol=1e-6)  # (W,)
+        # (adjective, noun): the noun phrase's basic mean, the adjective phrase's modifier mean
+        got = model.encode_attribute(phrases[0], phrases[2])
+        pair = torch.cat([(basic[5] + basic[6]) / 2, (modif[17] + modif[18] + modif[12]) / 3])
+        torch.testing.assert_close(got, phi_direct(model, pair), rtol=1e-5, atol=1e-6)
+        # a model cast to bf16 for inference encodes in bf16
+        half = model.to(torch.bfloat16).encode_object(phrases)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=0, atol=0.02)
+
+
+def test_sentence_state_is_read_after_its_length():
+    """psi reads the GRU state after each caption's length, clamped to the padded width
+    (a length 0 reads the first position, as ``GRUText`` does)."""
+    model = make_model()
+    words = torch.tensor([[1, 5, 10, 6, 2], [1, 7, 2, 0, 0], [1, 8, 0, 0, 0], [3, 0, 0, 0, 0]])
+    with torch.no_grad():
+        got = model.encode_sentence(words, torch.tensor([5, 3, 0, 9]))
+        for b, n in enumerate([5, 3, 1, 5]):
+            seq = [phi_direct(model, word(model, int(i))) for i in words[b, :n]]
+            torch.testing.assert_close(got[b], gru_direct(model, seq), rtol=1e-5, atol=1e-5)
 
 
 def test_caption_is_alpha_mix_of_sentence_and_components():
@@ -321,6 +363,13 @@ def test_eta_schedule_sec_3_5():
     assert out["rel"].item() > 0
     want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"])
     assert out["loss"].item() == pytest.approx(want.item(), abs=1e-6)
+    # epoch 0 is before epoch 1: relations from epoch 1 are still off without "epoch"
+    early = make_model(rel_start_epoch=1)
+    out = early.loss(batch, neg)
+    want = out["sent"] + 0.5 * (out["comp"] + out["obj"] + out["attr"])
+    assert out["loss"].item() == pytest.approx(want.item(), abs=1e-6)
+    out = early.loss({**batch, "epoch": 1}, neg)
+    assert out["loss"].item() == pytest.approx((want + out["rel"]).item(), abs=1e-6)
 
 
 # ---- negatives (sec. 3.4) ---------------------------------------------------------------
@@ -393,9 +442,154 @@ def test_negatives_respect_the_image_and_an_exhausted_vocabulary():
 
 def test_same_generator_seed_same_negatives():
     model, batch = make_model(), hand_batch()
+    torch.manual_seed(1)
     a = model.sample_negatives(batch, torch.Generator().manual_seed(7))
+    state = torch.get_rng_state()
     b = model.sample_negatives(batch, torch.Generator().manual_seed(7))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # every draw is the generator's: the global RNG (dropout, other models) is not touched
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_phrase_equality_against_loops():
+    """Phrase ids ``(..., Wa)`` against a vocabulary ``(K, Wv)``: equal word for word,
+    zero padding aside, whichever is wider."""
+    vocab = torch.tensor([[5, 6, 7], [5, 0, 0], [6, 0, 0]])  # K = Wv = 3
+    narrow = torch.tensor([[5], [6], [7]])  # K = 3, Wv = 1
+    long = torch.tensor([[5, 6, 7, 8]])  # K = 1 < Wv = 4
+    for phrases in ([[5, 6]], [[5], [6]], [[5, 6, 7, 8]], [[5, 6, 7], [6, 0, 0]]):
+        for table in (vocab, narrow, long):
+            a = torch.tensor(phrases)
+
+            def same(p, q):
+                return [x for x in p if x] == [x for x in q if x]
+
+            want = [[same(p, q) for q in table.tolist()] for p in a.tolist()]
+            assert _phrase_equal(a, table).tolist() == want  # (N, W)
+            assert _phrase_equal(a[None], table).tolist() == [want]  # (B, N, W)
+
+
+def test_sample_is_uniform_among_the_allowed_entries():
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.tensor([[True, False, True, True]])  # one row
+    seen = set()
+    for _ in range(60):
+        index, valid = _sample(allowed, gen)
+        assert index.shape == (1,) and valid.tolist() == [True]
+        seen.add(int(index))
+    assert seen == {0, 2, 3}
+    counts = torch.bincount(
+        torch.stack([_sample(allowed.expand(300, 4), gen)[0] for _ in range(10)]).flatten(),
+        minlength=4,
+    )
+    assert counts[1] == 0 and all(abs(int(c) - 1000) < 100 for c in counts[[0, 2, 3]])  # 4 sd
+    # rows with nothing allowed are not valid; no rows at all give empty results
+    index, valid = _sample(torch.tensor([[[True, False], [False, False]]]), gen)
+    assert index.shape == (1, 2) and valid.tolist() == [[True, False]] and index[0, 0] == 0
+    for shape in [(0, 4), (2, 0, 4)]:
+        with torch.device("meta"):  # made where the inputs are, not on the default device
+            index, valid = _sample(torch.ones(shape, dtype=torch.bool, device="cpu"), gen)
+        assert index.shape == valid.shape == shape[:-1]
+        assert index.dtype == torch.long and index.device.type == "cpu"
+
+
+def _widths_batch(objects, attributes, predicates) -> dict:
+    """One caption: one object phrase, one attribute phrase on it, and two relations of
+    the object to itself with the given predicates."""
+    return {
+        "objects": torch.tensor([[objects]]),
+        "object_mask": torch.tensor([[True]]),
+        "attributes": torch.tensor([[attributes]]),
+        "attribute_mask": torch.tensor([[True]]),
+        "attribute_objects": torch.tensor([[0]]),
+        "relations": torch.tensor([predicates]),
+        "relation_mask": torch.tensor([[True, True]]),
+        "relation_subjects": torch.tensor([[0, 0]]),
+        "relation_objects": torch.tensor([[0, 0]]),
+    }
+
+
+@pytest.mark.parametrize(
+    "objects, attributes, predicates, vocab",
+    [
+        # caption phrases wider than the vocabulary's
+        ([5, 6, 7], [10, 11, 12], [[16, 17, 18], [16, 0, 0]], ([[8, 9]], [[13]], [[15]])),
+        # vocabulary phrases wider than the caption's (and than there are phrases)
+        ([5], [10], [[16], [17]], ([[8, 9]], [[13, 14]], [[15, 14]])),
+    ],
+)
+def test_negative_phrases_keep_every_word(objects, attributes, predicates, vocab):
+    """Multi-word phrases: the (adjective, noun) and (subject, predicate, object)
+    negatives keep the whole phrases they do not replace and take the whole vocabulary
+    phrase they draw, whichever is wider."""
+    nouns, adjectives, relations = vocab
+    info = DataInfo(
+        grid_dim=4,
+        vocab_size=20,
+        negatives={"nouns": nouns, "adjectives": adjectives, "relations": relations},
+    )
+    model, batch = make_model(info), _widths_batch(objects, attributes, predicates)
+    gen = torch.Generator().manual_seed(0)
+
+    def words(ids):
+        return [int(i) for i in ids if i]
+
+    attr_swaps, rel_swaps = set(), set()
+    for _ in range(30):
+        neg = model.sample_negatives(batch, gen)
+        assert words(neg["objects"][0, 0]) == nouns[0]
+        noun, adjective = words(neg["attr_nouns"][0, 0]), words(neg["attr_adjectives"][0, 0])
+        assert (noun, adjective) in [(objects, adjectives[0]), (nouns[0], attributes)]
+        attr_swaps.add(noun == objects)
+        for r in range(2):
+            triple = [words(neg[f"rel_{k}"][0, r]) for k in ("subjects", "predicates", "objects")]
+            positive = [objects, words(predicates[r]), objects]
+            replaced = [i for i in range(3) if triple[i] != positive[i]]
+            assert len(replaced) == 1
+            assert triple[replaced[0]] == (relations[0] if replaced[0] == 1 else nouns[0])
+            rel_swaps.add(replaced[0])
+    assert attr_swaps == {True, False} and rel_swaps == {0, 1, 2}
+
+
+def test_adjectives_of_other_objects_are_negatives():
+    """The adjective replaced in (adjective, noun) is one not modifying the same object:
+    another object's adjective in the caption is a fine negative."""
+    batch = hand_batch()
+    # caption 0: 10 on object 0 ("5"), 12 on object 1 ("6")
+    batch["attribute_objects"] = torch.tensor([[0, 1], [0, 0]])
+    model, gen = make_model(), torch.Generator().manual_seed(0)
+    drawn = set()
+    for _ in range(60):
+        neg = model.sample_negatives(batch, gen)
+        if neg["attr_nouns"][0, 0, 0] == 5:  # the adjective of "5" was replaced
+            drawn.add(int(neg["attr_adjectives"][0, 0, 0]))
+    assert drawn == {11, 12}
+
+
+def test_has_components_when_any_kind_is_there():
+    model, batch = make_model(), hand_batch()
+    none = torch.zeros(2, 2, dtype=torch.bool)
+    one = torch.tensor([[True, False], [False, False]])  # caption 0 only
+    for omask, amask, rmask in [(one, none, none), (none, one, none), (none, none, one)]:
+        masks = {"object_mask": omask, "attribute_mask": amask, "relation_mask": rmask[:, :1]}
+        with torch.no_grad():
+            u = model.encode_components({**batch, **masks})
+        assert u["has_comp"].tolist() == [True, False]
+
+
+def test_relation_with_a_short_predicate_reads_the_object_next():
+    """u_rel = psi(phi(w_s), phi(w_r..), phi(w_o)): a one-word predicate padded to the
+    batch's width is followed by the object, and psi stops there."""
+    model = make_model()
+    with torch.no_grad():
+        got = model.encode_relation(
+            torch.tensor([[5], [7]]),
+            torch.tensor([[15, 0, 0], [17, 18, 0]]),
+            torch.tensor([[6], [8]]),
+        )
+        for row, ids in enumerate([(5, 15, 6), (7, 17, 18, 8)]):
+            want = gru_direct(model, [phi_direct(model, word(model, i)) for i in ids])
+            torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
 
 
 def test_captions_without_attributes_or_relations_give_finite_loss_and_grads():
@@ -427,6 +621,30 @@ def test_bf16_autocast():
 # ---- GloVe (sec. 3.2) -------------------------------------------------------------------
 
 
+def test_initialisation_and_what_checkpoints_hold():
+    """Word embeddings U(-0.1, 0.1) with <pad> (id 0) zero and never trained, the 1x1
+    convolution Xavier-uniform (as VSE++'s image FC); the negative-sampling vocabularies
+    come from the data, not from the checkpoint."""
+    info = DataInfo(grid_dim=64, vocab_size=300, negatives=INFO.negatives)
+    model = make_model(info, embed_size=64, d_basic=32, d_modif=32)
+    for table in (model.basic.weight, model.modif.weight):
+        assert torch.equal(table[0], torch.zeros_like(table[0]))
+        rest = table[1:]
+        assert rest.abs().max() <= 0.1 and rest.min() < -0.099 and rest.max() > 0.099
+    r = math.sqrt(6.0 / (64 + 64))
+    w = model.conv.weight
+    assert w.abs().max() <= r and w.min() < -0.99 * r and w.max() > 0.99 * r
+    assert torch.equal(model.conv.bias, torch.zeros(64))
+    assert not any(key.startswith("neg_") for key in model.state_dict())
+    # <start> (id 1) is trained like any word, <pad> is not
+    batch = {**hand_batch(), "epoch": 3}
+    small = make_model()
+    small.loss(batch)["loss"].backward()
+    for table in (small.basic.weight, small.modif.weight):
+        assert table.grad[1].abs().sum() > 0
+        assert torch.equal(table.grad[0], torch.zeros_like(table.grad[0]))
+
+
 def test_glove_rows_are_copied_and_missing_words_stay_random(tmp_path):
     path = tmp_path / "glove.txt"
     path.write_text("clock 1 2 3\ntable 4 5 6\nat name@x.com 7 8 9\nclock 0 0 0\n<pad> 1 1 1\n")
@@ -446,6 +664,60 @@ def test_glove_rows_are_copied_and_missing_words_stay_random(tmp_path):
     assert torch.equal(after[0], torch.zeros(3))  # <pad>
     with pytest.raises(ValueError, match="d_basic"):
         make_model(info, d_basic=4).init_basic_embeddings(matrix)
+
+
+def test_glove_files_as_they_come(tmp_path):
+    """What GloVe and fastText text files hold: words with a non-breaking space and bytes
+    that are not UTF-8 (glove.840B), lines ending in a space (fastText's .vec), blank
+    lines, and a download cut off mid-line (that word stays missing)."""
+    path = tmp_path / "vectors.txt"
+    path.write_bytes(
+        b"\n"  # blank before the first vector
+        b"caf\xe9 9 9 9\n"  # Latin-1, not UTF-8: replaced, the rest still read
+        b"a\xc2\xa0b 1 2 3 \n"  # "a<NBSP>b", and a trailing space
+        b"clock 4 5 6 \n"
+        b"\n"
+        b"table 7 8 9\n"
+        b"wall 1\n"  # cut short
+    )
+    words = ["<pad>", "a\xa0b", "clock", "table", "wall", "a"]
+    matrix = load_glove(path, words)
+    assert matrix.dtype == np.float32 and matrix.shape == (6, 3)
+    assert matrix[1].tolist() == [1, 2, 3]
+    assert matrix[2].tolist() == [4, 5, 6]
+    assert matrix[3].tolist() == [7, 8, 9]
+    assert np.isnan(matrix[[0, 4, 5]]).all()
+    # one-dimensional vectors are vectors too
+    (tmp_path / "one.txt").write_text("clock 0.5\ntable -1.5\n")
+    assert load_glove(tmp_path / "one.txt", ["clock", "table"]).tolist() == [[0.5], [-1.5]]
+    # a file without vectors: one line naming it
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError) as err:
+        load_glove(empty, words)
+    assert str(err.value) == f"{empty}: no GloVe vectors in this file"
+
+
+def test_prepare_reads_the_glove_file_for_the_training_vocabulary(tmp_path):
+    path = tmp_path / "glove.txt"
+    path.write_text("table 4 5 6\nclock 1 2 3\n")
+
+    class Data:  # what prepare reads of the training data
+        word_index = {"<pad>": 0, "clock": 1, "table": 2, "wall": 3}
+
+    info = DataInfo(grid_dim=4, vocab_size=4)
+    logged = []
+    model = make_model(info, d_basic=3, glove=str(path))
+    before = model.basic.weight.detach().clone()
+    model.prepare(Data(), log=logged.append)
+    after = model.basic.weight.detach()
+    assert after[1].tolist() == [1, 2, 3] and after[2].tolist() == [4, 5, 6]
+    assert torch.equal(after[3], before[3])
+    assert logged == [f"univse: 2 basic word embeddings initialised from {path}"]
+    plain = make_model(info, d_basic=3)  # no glove: nothing read, nothing said
+    before = plain.basic.weight.detach().clone()
+    plain.prepare(Data(), log=logged.append)
+    assert torch.equal(plain.basic.weight, before) and len(logged) == 1
 
 
 # ---- overfit ----------------------------------------------------------------------------
