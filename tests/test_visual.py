@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
 import yaml
 from PIL import Image
-from torchvision.ops import nms, roi_align
+from torchvision.ops import batched_nms, box_iou, nms, roi_align
 
 from features.demo import DemoConfig, build_dataset
 from features.extract import extract_images, region_recall, report_bad_images
@@ -195,6 +196,37 @@ def reference_butd(boxes, scores, cfg):
     return keep, classes, max_conf[keep]
 
 
+def at_iou(iou: float) -> torch.Tensor:
+    """Two boxes whose IoU is ``iou``: 10x10 and 10x(10 iou) sharing a corner (30/100 is
+    exact in float64; 25/100 and 50/100 also in float32)."""
+    return torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0 * iou]], dtype=torch.float64)
+
+
+def test_nms_boundary_is_torchvisions():
+    """The reference's own rule, checked here so the cases below rest on it: nms keeps a
+    box whose IoU with a kept one equals the threshold, and so does butd_select."""
+    for iou, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.3, torch.float64)):
+        boxes = at_iou(iou).to(dtype)
+        assert float(box_iou(boxes, boxes)[0, 1]) == iou
+        score = torch.tensor([0.9, 0.8], dtype=dtype)
+        assert nms(boxes, score, iou).tolist() == [0, 1]
+        assert batched_nms(boxes, score, torch.tensor([1, 1]), iou).tolist() == [0, 1]
+        cfg = RegionsConfig(nms_iou=iou, conf_threshold=0.5, min_boxes=0)
+        scores = torch.stack([torch.zeros(2, dtype=dtype), score], dim=1)  # (P, 2)
+        keep, classes, conf = butd_select(boxes, scores, cfg)
+        assert keep.tolist() == [0, 1] and classes.tolist() == [1, 1]
+        assert conf.tolist() == score.tolist()
+        # a hair above the threshold, the second box is suppressed
+        below = cfg.model_copy(update={"nms_iou": float(np.nextafter(iou, 0))})
+        assert nms(boxes, score, below.nms_iou).tolist() == [0]
+        assert butd_select(boxes, scores, below)[0].tolist() == [0]
+    # float32 cannot hold 0.3: the IoU 30/100 is 0.30000001 > 0.3 and suppresses
+    boxes = at_iou(0.3).float()
+    scores = torch.tensor([[0.0, 0.9], [0.0, 0.8]])
+    assert nms(boxes, scores[:, 1], 0.3).tolist() == [0]
+    assert butd_select(boxes, scores, RegionsConfig(min_boxes=0))[0].tolist() == [0]
+
+
 def random_boxes(gen, n, spread=100.0):
     xy = torch.rand(n, 2, generator=gen) * spread
     wh = torch.rand(n, 2, generator=gen) * spread / 2 + 1
@@ -239,17 +271,19 @@ def butd_cases():
         (cfg.model_copy(update={"conf_threshold": 1.0, "min_boxes": 0})),
     )
     yield "zero scores", random_boxes(gen, n, 30), torch.zeros(n, c), cfg
-    # IoU exactly at the threshold: float32(0.3) = 0.30000001 > 0.3 suppresses, as in nms
-    a = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
-    b = torch.tensor([[0.0, 0.0, 10.0, 3.0]])  # IoU 30/100 = float32(0.3)
-    at = torch.cat([a, b, a + 50, b + 50])
-    yield "IoU at threshold", at, torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2), cfg
-    yield (
-        "IoU at threshold, 0.5",
-        at,
-        torch.tensor([[0, 0.9], [0, 0.8]] * 2),
-        (cfg.model_copy(update={"nms_iou": 0.5, "min_boxes": 0})),
-    )
+    # IoU at the threshold: torchvision's nms suppresses only IoU > nms_iou, so two boxes
+    # whose IoU equals nms_iou both survive (see test_nms_boundary_is_torchvisions)
+    for iou, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.3, torch.float64)):
+        pair = at_iou(iou).to(dtype)
+        boxes = torch.cat([pair, pair + 50])
+        scores = torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2, dtype=dtype)
+        at = cfg.model_copy(update={"nms_iou": iou, "min_boxes": 0})
+        yield f"IoU exactly {iou} ({dtype}) = nms_iou", boxes, scores, at
+    # float32 has no 0.3: the IoU 30/100 is float32(0.3) = 0.30000001 > 0.3, suppressed
+    pair = at_iou(0.3).float()
+    boxes = torch.cat([pair, pair + 50])
+    scores = torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2)
+    yield "IoU float32(0.3) just above nms_iou 0.3", boxes, scores, cfg
     logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
     yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
     yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
@@ -313,6 +347,40 @@ def test_grid_and_global_features(demo, tmp_path):
         store.read(0, len(store))["projected"], project(pooled, mean, axes), rtol=1e-4, atol=1e-4
     )
     assert store.verify() == []
+
+
+def adaptive_pool_by_hand(fmap: np.ndarray, g: int) -> np.ndarray:
+    """(C, H, W) -> (g, g, C): cell (i, j) is the mean of rows floor(iH/g)..ceil((i+1)H/g)
+    and the same for columns, the bins of adaptive average pooling."""
+    c, h, w = fmap.shape
+    out = np.zeros((g, g, c))
+    for i in range(g):
+        for j in range(g):
+            rows = slice(i * h // g, -(-(i + 1) * h // g))
+            cols = slice(j * w // g, -(-(j + 1) * w // g))
+            out[i, j] = fmap[:, rows, cols].mean(axis=(1, 2))
+    return out
+
+
+def test_grid_cells_and_pooled_vector_are_the_conv5_map_of_the_torchvision_resnet(tmp_path):
+    """On a non-square image (conv5 5 x 9), the stored grid is the conv5 map of the
+    torchvision ResNet, its layers called here one by one, pooled to 7 x 7 cell by cell
+    (rows from H, columns from W), and the pooled vector its mean over all positions."""
+    torch.manual_seed(3)
+    resnet = torchvision.models.resnet18(weights=None).eval()
+    torch.save(resnet.state_dict(), tmp_path / "r18.pt")
+    cfg = GridConfig(architecture="resnet18", weights=str(tmp_path / "r18.pt"), grid=7)
+    extractor = GridExtractor(build_trunk(cfg), cfg, CPU)
+    image = torch.randn(3, 160, 288)  # (3, H, W)
+    out = extractor([{"image": image, "hw": (480, 864)}])[0]
+    with torch.no_grad():
+        x = resnet.maxpool(resnet.relu(resnet.bn1(resnet.conv1(image[None]))))
+        conv5 = resnet.layer4(resnet.layer3(resnet.layer2(resnet.layer1(x))))[0].numpy()
+    assert conv5.shape == (512, 5, 9)
+    assert out["features"].shape == (7, 7, 512) and out["pooled"].shape == (512,)
+    np.testing.assert_allclose(out["features"], adaptive_pool_by_hand(conv5, 7), atol=1e-5)
+    np.testing.assert_allclose(out["pooled"], conv5.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
+    assert out["image_hw"].tolist() == [480, 864]
 
 
 def test_pca_ignores_everything_but_train():
