@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from features.ingest import IngestError, read_manifest
-from features.precomp import export_precomp, import_butd_tsv, import_precomp, match_keys
+from features.precomp import (
+    _rows_per_image,
+    export_precomp,
+    import_butd_tsv,
+    import_precomp,
+    match_keys,
+)
 from features.store import Store, StoreConfig
 from flows.cli import main
 
@@ -58,6 +64,79 @@ def test_precomp_errors(tmp_path):
         import_precomp(tmp_path, ["test"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG)
     with pytest.raises(IngestError, match="dev_ims.npy and dev_caps.txt"):
         import_precomp(tmp_path, ["dev"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG)
+
+
+def per_caption_layout(folder, name, ims, per_image=5, ids=True):
+    """VSE++/SCAN's other precomp layout (their loaders' ``im_div = 1``): one feature row per
+    caption, each image's row repeated for each of its captions, ids (if any) per caption."""
+    np.save(folder / f"{name}_ims.npy", np.repeat(ims, per_image, axis=0))
+    caps = [f"{name} image {i} caption {j}" for i in range(len(ims)) for j in range(per_image)]
+    (folder / f"{name}_caps.txt").write_text("\n".join(caps) + "\n")
+    if ids:
+        lines = [f"{700 + i}\n" for i in range(len(ims)) for _ in range(per_image)]
+        (folder / f"{name}_ids.txt").write_text("".join(lines))
+    return caps
+
+
+@pytest.mark.parametrize("ids", [True, False])
+def test_one_row_per_caption_imports_each_image_once_with_its_captions(tmp_path, ids):
+    src = tmp_path / "coco_precomp"
+    src.mkdir()
+    ims = np.random.default_rng(1).standard_normal((4, 36, 16)).astype(np.float32)
+    ims[2, 5, 3] = np.nan  # a copied NaN is the same bytes in every copy
+    caps = per_caption_layout(src, "test", ims, ids=ids)
+    manifest = import_precomp(src, ["test"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG)
+    rows = manifest.table.to_pylist()
+    assert len(rows) == 4 and manifest.captions_per_image == 5
+    assert [r["key"] for r in rows] == (
+        ["700", "701", "702", "703"] if ids else [f"test_{i:06d}" for i in range(4)]
+    )
+    assert [r["captions"] for r in rows] == [caps[5 * i : 5 * i + 5] for i in range(4)]
+    store = Store.open(tmp_path / "r.zarr", manifest_digest=manifest.digest)
+    data = store.read(0, 4)
+    assert data["valid"].tolist() == [1, 1, 0, 1]  # the NaN image: stored empty, as always
+    for i in (0, 1, 3):
+        np.testing.assert_array_equal(data["features"][i], ims[i].astype(np.float16))
+    # exported in the one-row-per-image layout, the reference loaders' other form
+    export_precomp(store, manifest, "test", tmp_path / "out")
+    assert np.load(tmp_path / "out" / "test_ims.npy").shape == (4, 36, 16)
+    assert (tmp_path / "out" / "test_caps.txt").read_text() == (src / "test_caps.txt").read_text()
+
+
+def test_one_caption_per_image_stays_one_image_per_row(tmp_path):
+    ims = make_precomp(tmp_path, "test", 6, per_image=1)
+    ims[3] = ims[2]  # two identical images, not the first two: still one row per image
+    np.save(tmp_path / "test_ims.npy", ims)
+    manifest = import_precomp(tmp_path, ["test"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG)
+    assert len(manifest) == 6 and manifest.captions_per_image == 1
+    assert manifest.table["captions"].to_pylist()[4] == ["test image 4 caption 0"]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ((13, 0, 0), "rows 0-4 hold one image 5 times .* but row 13 differs from row 10;"),
+        ((19, 35, 15), "but row 19 differs from row 15; save one row per image, or 5 identical"),
+        (None, "but its 23 rows are not a whole number of images;"),
+    ],
+)
+def test_rows_repeated_for_some_images_only_are_refused_in_one_line(tmp_path, damage, message):
+    ims = np.random.default_rng(2).standard_normal((4, 36, 16)).astype(np.float32)
+    per_caption_layout(tmp_path, "test", ims, ids=False)
+    rows = np.load(tmp_path / "test_ims.npy")
+    if damage:
+        rows[damage] += 1.0  # one copy of image 2 (row 13) or of image 3 (row 19) differs
+    else:  # 3 more images of one row each, and as many captions
+        rows = np.concatenate([rows, ims[1:]])
+        with open(tmp_path / "test_caps.txt", "a") as f:
+            f.write("one\ntwo\nthree\n")
+    np.save(tmp_path / "test_ims.npy", rows)
+    for block in (1, 1 << 26):  # one image per block, or the whole file in one
+        with pytest.raises(IngestError, match=message) as err:
+            _rows_per_image(np.load(tmp_path / "test_ims.npy", mmap_mode="r"), "f", block)
+    with pytest.raises(IngestError, match=r"test_ims\.npy: rows 0-4 hold") as err:
+        import_precomp(tmp_path, ["test"], tmp_path / "m.parquet", tmp_path / "r.zarr", CFG)
+    assert "\n" not in str(err.value) and not (tmp_path / "r.zarr").exists()
 
 
 def write_tsv(path, rows):
