@@ -99,10 +99,11 @@ def _rows_per_image(ims: np.ndarray, path: Path, block_bytes: int = 1 << 26) -> 
     todo = f"save one row per image, or {k} identical rows for every image"
     if n % k:
         raise IngestError(f"{what}, but its {n} rows are not a whole number of images; {todo}")
-    step = max(1, block_bytes // (ims[0].nbytes * k)) * k  # whole images per block
+    row = ims.nbytes // n  # bytes per row
+    step = max(1, block_bytes // (row * k)) * k  # whole images per block
     for lo in range(0, n, step):
         block = np.ascontiguousarray(ims[lo : lo + step])  # (rows, regions, dim)
-        rows = block.view(np.uint8).reshape(-1, k, ims[0].nbytes)  # (images, k, bytes)
+        rows = block.view(np.uint8).reshape(len(block) // k, k, row)  # (images, k, bytes)
         differ = (rows != rows[:, :1]).any(axis=2)  # (images, k)
         if differ.any():
             image, copy = (int(i) for i in np.argwhere(differ)[0])
@@ -355,7 +356,7 @@ def index_tsv(files: list[Path]) -> dict[str, tuple[Path, int, int]]:
     return index
 
 
-def _read_tsv_row(path: Path, offset: int, line_no: int = 0) -> dict:
+def _read_tsv_row(path: Path, offset: int, line_no: int) -> dict:
     """One TSV row's boxes, features and image size; :class:`MalformedRow` naming the file
     and line if it is not ``image_id, image_w, image_h, num_boxes, boxes, features``."""
     where = f"{path}:{line_no}"
