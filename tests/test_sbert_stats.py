@@ -70,7 +70,8 @@ def test_pairwise_similarities_are_every_pair_of_an_images_captions():
 
 
 # Known captions: unit vectors whose cosines are exact. Train: image a (3 captions, pairs
-# 0, -1, 0), b (pair 0.6), c (1 caption, no pair); val: d (pairs 1, 0.8, 0.8), e (-0.6).
+# 0, -1, 0), b (pair 0.6), c (1 caption, no pair); test: d (pairs 1, 0.8, 0.8), e (-0.6);
+# no val image.
 VECTORS = {
     "a0": [1, 0, 0],
     "a1": [0, 1, 0],
@@ -84,7 +85,7 @@ VECTORS = {
     "e0": [0, 1, 0],
     "e1": [0, -0.6, 0.8],
 }
-IMAGES = {"a": "train", "b": "train", "c": "train", "d": "val", "e": "val"}
+IMAGES = {"a": "train", "b": "train", "c": "train", "d": "test", "e": "test"}
 # the statistics worked out by hand (numpy's default linear interpolation for quantiles:
 # q at position q (n - 1) of the sorted values)
 TRAIN = {  # sorted pairs -1, 0, 0, 0.6
@@ -99,7 +100,7 @@ TRAIN = {  # sorted pairs -1, 0, 0, 0.6
     "q75": 0.15,  # position 2.25: 0 + 0.25 * 0.6
     "q95": 0.51,
 }
-VAL = {  # sorted pairs -0.6, 0.8, 0.8, 1
+TEST = {  # sorted pairs -0.6, 0.8, 0.8, 1
     "images": 2,
     "pairs": 4,
     "mean": 0.5,
@@ -141,24 +142,22 @@ def test_caption_statistics_of_known_captions(tmp_path):
     def embed(captions):
         return np.array([VECTORS[c] for c in captions], dtype=np.float64)
 
-    result = caption_statistics(manifest, embed, SbertConfig(bins=4, examples=2))
+    result = caption_statistics(manifest, embed, SbertConfig(bins=3, examples=2))
     metrics = result["metrics"]
-    assert list(metrics) == ["train", "val"]  # no test image: no test entry
+    assert list(metrics) == ["train", "test"]  # no val image: no val entry
     assert metrics["train"] == {k: pytest.approx(v, abs=1e-12) for k, v in TRAIN.items()}
-    assert metrics["val"] == {k: pytest.approx(v, abs=1e-12) for k, v in VAL.items()}
-    # bins [-1, -0.5), [-0.5, 0), [0, 0.5), [0.5, 1] at their centres
+    assert metrics["test"] == {k: pytest.approx(v, abs=1e-12) for k, v in TEST.items()}
+    # bins [-1, -1/3), [-1/3, 1/3), [1/3, 1] at their centres, to 4 decimals
     assert [(h["split"], h["similarity"], h["pairs"]) for h in result["histogram"]] == [
-        ("train", -0.75, 1),
-        ("train", -0.25, 0),
-        ("train", 0.25, 2),
-        ("train", 0.75, 1),
-        ("val", -0.75, 1),
-        ("val", -0.25, 0),
-        ("val", 0.25, 0),
-        ("val", 0.75, 3),
+        ("train", -0.6667, 1),
+        ("train", 0.0, 2),
+        ("train", 0.6667, 1),
+        ("test", -0.6667, 1),
+        ("test", 0.0, 0),
+        ("test", 0.6667, 3),
     ]
     extremes = result["extremes"]
-    assert set(extremes) == {"train", "val"}
+    assert set(extremes) == {"train", "test"}
 
     def listed(split, which):
         return [(x["key"], x["mean_similarity"]) for x in extremes[split][which]]
@@ -166,10 +165,10 @@ def test_caption_statistics_of_known_captions(tmp_path):
     # image means: a -1/3, b 0.6 (c has no pair); d 2.6/3, e -0.6
     assert listed("train", "most_consistent") == [("b", 0.6), ("a", -0.3333)]
     assert listed("train", "least_consistent") == [("a", -0.3333), ("b", 0.6)]
-    assert listed("val", "most_consistent") == [("d", 0.8667), ("e", -0.6)]
-    assert listed("val", "least_consistent") == [("e", -0.6), ("d", 0.8667)]
-    assert extremes["val"]["most_consistent"][0]["captions"] == ["d0", "d1", "d2"]
-    one = caption_statistics(manifest, embed, SbertConfig(bins=4, examples=1))["extremes"]
+    assert listed("test", "most_consistent") == [("d", 0.8667), ("e", -0.6)]
+    assert listed("test", "least_consistent") == [("e", -0.6), ("d", 0.8667)]
+    assert extremes["test"]["most_consistent"][0]["captions"] == ["d0", "d1", "d2"]
+    one = caption_statistics(manifest, embed, SbertConfig(bins=3, examples=1))["extremes"]
     assert [x["key"] for x in one["train"]["most_consistent"]] == ["b"]
     assert [x["key"] for x in one["train"]["least_consistent"]] == ["a"]
 
