@@ -31,6 +31,7 @@ from features.store import FieldSpec, Store, StoreConfig, incomplete_path
 from features.visual import (
     GridExtractor,
     RegionExtractor,
+    _max_conf_from,
     build_detector,
     build_trunk,
     butd_select,
@@ -284,6 +285,11 @@ def butd_cases():
     boxes = torch.cat([pair, pair + 50])
     scores = torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2)
     yield "IoU float32(0.3) just above nms_iou 0.3", boxes, scores, cfg
+    # proposal 0 is kept only to reach min_boxes: it survives in class 1, at score 0, and
+    # its class is its top-scoring one (2), as in the loop (a score 0 raises no max_conf)
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10], [50, 50, 60, 60]])
+    scores = torch.tensor([[0.5, 0.0, 0.5], [0.1, 0.0, 0.9], [0.6, 0.0, 0.4]])
+    yield "kept at score 0", boxes, scores, cfg.model_copy(update={"min_boxes": 3})
     logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
     yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
     yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
@@ -297,6 +303,17 @@ def test_fast_butd_selection_equals_the_per_class_loop(case):
     assert keep.tolist() == ref_keep.tolist()
     assert classes.tolist() == ref_classes.tolist()
     assert conf.tolist() == ref_conf.tolist()  # bit for bit
+
+
+def test_max_conf_marks_proposals_without_a_positive_surviving_score():
+    """_max_conf_from on its own: proposal 0 is suppressed by 1 in class 1 and scores 0 in
+    class 2 (survives there, but a 0 is no confidence): max_conf 0, class -1."""
+    fg = torch.tensor([[0.8, 0.0], [0.9, 0.0], [0.0, 0.3]])  # (P, C - 1)
+    over = torch.tensor([[False, True, False], [True, False, False], [False, False, False]])
+    max_conf, best = _max_conf_from(fg, over, 0.0)
+    assert max_conf.tolist() == pytest.approx([0.0, 0.9, 0.3]) and best.tolist() == [-1, 0, 1]
+    max_conf, best = _max_conf_from(fg, over, 0.95)  # no pair reaches tau
+    assert max_conf.tolist() == [0.0, 0.0, 0.0] and best.tolist() == [-1, -1, -1]
 
 
 def test_fast_butd_selection_on_many_random_images():
