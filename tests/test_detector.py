@@ -549,6 +549,7 @@ def test_voc_ap_and_recall_by_hand_at_the_iou_boundary():
     assert _recall(gt, found, 0.4) == pytest.approx(2 / 3)
     assert _recall(gt, [torch.zeros(0, 4), torch.zeros(0, 4)], 0.5) == 0.0
     assert _recall([torch.zeros(0, 4)], [torch.zeros(0, 4)], 0.5) == 0.0
+    assert _recall(gt[:1], gt[:1], 0.5) == 1.0  # one box, found
     truths = [{"boxes": g, "labels": torch.ones(len(g), dtype=torch.long)} for g in gt]
     dets = [
         {"boxes": f, "labels": torch.tensor([1]), "scores": torch.tensor([s])}
@@ -557,6 +558,10 @@ def test_voc_ap_and_recall_by_hand_at_the_iou_boundary():
     # TP then FP of 3 ground truths: AP 1/3; at IoU 0.4 both hit: 2/3
     assert voc_ap_per_class(dets, truths, 2, 0.5) == {1: pytest.approx(1 / 3)}
     assert voc_ap_per_class(dets, truths, 2, 0.4) == {1: pytest.approx(2 / 3)}
+    # the same as class 2 of 3: class 1, without ground truth, is left out, not the end
+    for d in [*truths, *dets]:
+        d["labels"] = d["labels"] + 1
+    assert voc_ap_per_class(dets, truths, 3, 0.5) == {2: pytest.approx(1 / 3)}
 
 
 def test_a_coco_file_trains_a_detector_without_attributes(tmp_path, demo):

@@ -81,7 +81,7 @@ def per_caption_layout(folder, name, ims, per_image=5, ids=True):
     return caps
 
 
-@pytest.mark.parametrize("ids, per_image", [(True, 5), (False, 2)])
+@pytest.mark.parametrize("ids, per_image", [(True, 5), (True, 2), (False, 2)])
 def test_one_row_per_caption_imports_each_image_once_with_its_captions(tmp_path, ids, per_image):
     src = tmp_path / "coco_precomp"
     src.mkdir()

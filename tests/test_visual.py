@@ -176,6 +176,15 @@ def test_butd_selection_by_hand():
     assert keep.tolist() == [0, 1, 2] and conf[2] == pytest.approx(0.3)
     keep, _, _ = butd_select(boxes, scores, cfg.model_copy(update={"max_boxes": 1}))
     assert keep.tolist() == [0]
+    # box 1's best score is class 2 (0.95), but box 0 suppresses it there: its confidence
+    # and class are those of class 1, where it survives
+    scores = torch.tensor([[0.0, 0.1, 0.99], [0.0, 0.6, 0.95], [0.0, 0.3, 0.0]])
+    keep, classes, conf = butd_select(boxes, scores, cfg)
+    assert keep.tolist() == [0, 1] and classes.tolist() == [2, 1]
+    assert conf.tolist() == pytest.approx([0.99, 0.6])
+    # background only: no class, nothing to select, whatever min_boxes asks
+    keep, classes, conf = butd_select(boxes, scores[:, :1], cfg.model_copy(update={"min_boxes": 3}))
+    assert (len(keep), len(classes), len(conf)) == (0, 0, 0)
 
 
 def reference_butd(boxes, scores, cfg):
@@ -290,9 +299,17 @@ def butd_cases():
     boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10], [50, 50, 60, 60]])
     scores = torch.tensor([[0.5, 0.0, 0.5], [0.1, 0.0, 0.9], [0.6, 0.0, 0.4]])
     yield "kept at score 0", boxes, scores, cfg.model_copy(update={"min_boxes": 3})
+    # max_conf exactly conf_threshold: kept (>=), like the loop's max_conf >= threshold
+    scores = torch.tensor([[0.0, 0.5, 0.25], [0.0, 0.25, 0.5], [0.0, 0.5, 0.0]])
+    at = cfg.model_copy(update={"conf_threshold": 0.5, "min_boxes": 0})
+    yield "max_conf = conf_threshold", random_boxes(gen, 3, 300), scores, at
     logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
     yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
+    low = torch.rand(n, 3, generator=gen, dtype=torch.float64) * 0.05
+    yield "float64, all below threshold", random_boxes(gen, n, 30).double(), low, cfg
     yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    yield "no proposals, float64", empty, torch.zeros(0, c, dtype=torch.float64), cfg
 
 
 @pytest.mark.parametrize("case", list(butd_cases()), ids=lambda case: case[0])
@@ -303,6 +320,7 @@ def test_fast_butd_selection_equals_the_per_class_loop(case):
     assert keep.tolist() == ref_keep.tolist()
     assert classes.tolist() == ref_classes.tolist()
     assert conf.tolist() == ref_conf.tolist()  # bit for bit
+    assert (keep.dtype, classes.dtype, conf.dtype) == (torch.long, torch.long, scores.dtype)
 
 
 def test_max_conf_marks_proposals_without_a_positive_surviving_score():
