@@ -2,8 +2,10 @@
 
 - SCAN/VSE++ "precomp" folders: ``{split}_ims.npy`` (N, 36, 2048) float32, ``{split}_caps.txt``
   (captions_per_image lines per image, in image order) and, optionally, ``{split}_ids.txt``
-  (one id per image, or one per caption). Import makes a manifest and a regions store
-  (no boxes: the precomp format has none); export writes the same layout from a store, so
+  (one id per image, or one per caption). ``_ims.npy`` has one row per image, or one row
+  per caption (the reference loaders' ``im_div = 1``: each image's row repeated for each
+  of its captions), recognised by the repeated rows. Import makes a manifest and a regions
+  store (no boxes: the precomp format has none); export writes one row per image, so
   numbers can be cross-checked against the reference code bases on identical inputs.
 - bottom-up-attention TSV files (tab-separated ``image_id, image_w, image_h, num_boxes,
   boxes, features``; boxes and features base64-encoded float32): imported into a regions
@@ -79,6 +81,37 @@ def _load_features(path: Path) -> np.ndarray:
     return ims
 
 
+def _rows_per_image(ims: np.ndarray, path: Path, block_bytes: int = 1 << 26) -> int:
+    """Rows per image of an ``_ims.npy`` with as many rows as captions: k when every image's
+    row is repeated k times in a row (one row per caption, ``im_div = 1`` in VSE++/SCAN's
+    loaders), 1 when rows 0 and 1 differ (one caption per image); rows that repeat for the
+    first image but not for every image are a one-line error. Rows compare byte for byte
+    (a copied row is the same bytes, NaN included), read about ``block_bytes`` at a time."""
+    n, k = len(ims), 1
+    while k < n and ims[k].tobytes() == ims[0].tobytes():
+        k += 1
+    if k == 1:
+        return 1
+    what = (
+        f"{path}: rows 0-{k - 1} hold one image {k} times (one row per caption, as in "
+        "VSE++/SCAN's im_div = 1)"
+    )
+    todo = f"save one row per image, or {k} identical rows for every image"
+    if n % k:
+        raise IngestError(f"{what}, but its {n} rows are not a whole number of images; {todo}")
+    row = ims.nbytes // n  # bytes per row
+    step = max(1, block_bytes // (row * k)) * k  # whole images per block
+    for lo in range(0, n, step):
+        block = np.ascontiguousarray(ims[lo : lo + step])  # (rows, regions, dim)
+        rows = block.view(np.uint8).reshape(len(block) // k, k, row)  # (images, k, bytes)
+        differ = (rows != rows[:, :1]).any(axis=2)  # (images, k)
+        if differ.any():
+            image, copy = (int(i) for i in np.argwhere(differ)[0])
+            first = lo + image * k
+            raise IngestError(f"{what}, but row {first + copy} differs from row {first}; {todo}")
+    return k
+
+
 def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], list[str]]:
     """Memory-mapped features, captions and one key per image of one precomp split."""
     ims_path, caps_path = folder / f"{name}_ims.npy", folder / f"{name}_caps.txt"
@@ -94,6 +127,8 @@ def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], 
             f"{ims_path}: {ims.shape} features for {len(captions)} captions in {caps_path.name}; "
             "expected (N, regions, dim) and a whole number of captions per image (1 or more)"
         )
+    if len(captions) == len(ims) > 1:
+        ims = ims[:: _rows_per_image(ims, ims_path)]
     per_image = len(captions) // len(ims)
     ids_path = folder / f"{name}_ids.txt"
     if ids_path.exists():
@@ -321,7 +356,7 @@ def index_tsv(files: list[Path]) -> dict[str, tuple[Path, int, int]]:
     return index
 
 
-def _read_tsv_row(path: Path, offset: int, line_no: int = 0) -> dict:
+def _read_tsv_row(path: Path, offset: int, line_no: int) -> dict:
     """One TSV row's boxes, features and image size; :class:`MalformedRow` naming the file
     and line if it is not ``image_id, image_w, image_h, num_boxes, boxes, features``."""
     where = f"{path}:{line_no}"

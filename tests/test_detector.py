@@ -392,6 +392,178 @@ def test_voc_ap_by_hand():
     assert voc_ap_per_class(detections, truths, 3, 0.5) == {1: pytest.approx(0.25)}
 
 
+def test_average_precision_is_the_area_under_the_precision_envelope():
+    # TP, FP, TP, TP of 3 ground truths: recall 1/3, 1/3, 2/3, 1; precision 1, 1/2, 2/3, 3/4;
+    # the envelope raises 2/3 to 3/4: 1/3 x 1 + 1/3 x 3/4 + 1/3 x 3/4
+    recall = np.array([1, 1, 2, 3]) / 3
+    precision = np.array([1, 1 / 2, 2 / 3, 3 / 4])
+    assert average_precision(recall, precision) == pytest.approx(5 / 6, abs=1e-12)
+    # recall that stops short of 1 adds nothing past its last point
+    assert average_precision(np.array([0.5]), np.array([1.0])) == pytest.approx(0.5)
+    assert average_precision(np.array([0.0, 0.5]), np.array([0.0, 0.5])) == pytest.approx(0.25)
+
+
+class FakeDetector:
+    """A stand-in for the detector whose outputs the test sets: per image (in order) its
+    proposals and detections, and per ground-truth box (looked up by its coordinates) the
+    class logits and attribute probabilities of the box head."""
+
+    def __init__(self, proposals, detections, logits, attribute_probs, with_attributes=True):
+        self.proposals, self.detections = list(proposals), list(detections)
+        self.logits, self.attribute_probs = logits, attribute_probs
+        self.backbone = lambda x: x  # a plain map: evaluate_detector wraps it as {"0": x}
+        self.roi_heads = self
+        self.box_roi_pool = lambda features, boxes, sizes: torch.cat(boxes)  # (G, 4)
+        self.box_head = lambda pooled: pooled
+        self.box_predictor = self
+        self.attribute_head = object() if with_attributes else None
+        self.labels_seen = []
+
+    def eval(self):
+        return self
+
+    def rpn(self, images, features):
+        assert list(features) == ["0"]
+        return [self.proposals.pop(0) for _ in images.image_sizes], {}
+
+    def __call__(self, features, proposals, sizes):  # the RoI heads
+        return [self.detections.pop(0) for _ in proposals], {}
+
+    def cls_score(self, pooled):
+        return torch.tensor([self.logits[tuple(b.tolist())] for b in pooled])
+
+    def attributes(self, pooled, labels):
+        self.labels_seen += labels.tolist()
+        return torch.tensor([self.attribute_probs[tuple(b.tolist())] for b in pooled])
+
+
+def detections(*rows):
+    """(label, score, box) rows -> a torchvision detection dict."""
+    return {
+        "boxes": torch.tensor([r[2] for r in rows], dtype=torch.float32).reshape(-1, 4),
+        "labels": torch.tensor([r[0] for r in rows], dtype=torch.long),
+        "scores": torch.tensor([r[1] for r in rows], dtype=torch.float32),
+    }
+
+
+def test_detector_metrics_by_hand(tmp_path):
+    """Every metric of evaluate_detector on a case worked out by hand (VOC matching as in
+    the devkit's VOCevaldet.m: IoU >= 0.5 with the best-overlapping ground truth of the
+    class, each ground truth matched once; all-points AP)."""
+    from PIL import Image
+
+    classes, attributes = ["cat", "dog", "cow"], ["red", "big"]
+    for k in range(5):
+        Image.new("RGB", (64, 64), (40 * k, 90, 200)).save(tmp_path / f"im{k}.png")
+    (tmp_path / "im3.png").write_bytes(b"not an image")  # skipped, like a bad image
+    A, B, C = [0, 0, 10, 10], [30, 0, 40, 10], [20, 20, 30, 30]
+    D, F_ = [40, 40, 60, 60], [0, 40, 20, 60]
+    images = [
+        DetectionImage("0", "im0.png", "val", [A], ["cat"], [["red"]]),
+        DetectionImage("1", "im1.png", "val", [B, C], ["cat", "cat"], [["red", "big"], []]),
+        DetectionImage(  # the unicorn is no class: not evaluated
+            "2",
+            "im2.png",
+            "val",
+            [D, [5, 5, 15, 15], F_],
+            ["dog", "unicorn", "dog"],
+            [["big"], ["red"], ["red"]],
+        ),
+        DetectionImage("3", "im3.png", "val", [[0, 0, 5, 5]], ["cat"], [[]]),
+        DetectionImage("4", "im4.png", "val", [], [], []),
+    ]
+    proposals = [  # of the 4 readable images
+        torch.tensor([[0.0, 0, 10, 5]]),  # IoU with A exactly 0.5: found
+        torch.zeros(0, 4),  # none: B and C missed
+        torch.tensor([[40.0, 40, 60, 60], [0, 40, 20, 60]]),
+        torch.tensor([[1.0, 1, 2, 2]]),
+    ]
+    found = [
+        # cat: IoU 0.5 with A (TP); A again (FP, matched already); dog where there is none
+        detections((1, 0.9, [0, 0, 10, 5]), (1, 0.7, A), (2, 0.4, D)),
+        # cat: IoU 0.4 with B (FP); C (TP); a cow on B (no cow ground truth anywhere)
+        detections((1, 0.85, [30, 0, 40, 4]), (1, 0.8, C), (3, 0.99, B)),
+        # a cat on the dog D (FP for cat); the dog D, tied with image 0's FP, ranked after it
+        detections((1, 0.6, D), (2, 0.4, D)),
+        detections(),
+    ]
+    logits = {  # columns: background, cat, dog, cow
+        tuple(map(float, A)): [5.0, 1, 0, 0],  # background first, cat among the classes: hit
+        tuple(map(float, B)): [0.0, 0, 2, 0],  # dog: miss
+        tuple(map(float, C)): [0.0, 3, 0, 0],  # cat: hit
+        tuple(map(float, D)): [0.0, 0, 1, 1],  # dog and cow tie: the first, dog: hit
+        tuple(map(float, F_)): [0.0, 0, 0, 4],  # cow: miss
+    }
+    probs = {  # columns: none, red, big
+        tuple(map(float, A)): [0.1, 0.2, 0.7],  # red; top-1 big: 0
+        tuple(map(float, B)): [0.5, 0.3, 0.2],  # red, big; top-2 of red, big: 1
+        tuple(map(float, C)): [0.8, 0.1, 0.1],  # no attribute: not counted
+        tuple(map(float, D)): [0.6, 0.1, 0.3],  # big; top-1 without "none": big: 1
+        tuple(map(float, F_)): [0.2, 0.5, 0.3],  # red: 1
+    }
+    cfg = TINY.model_copy(update={"num_workers": 0})
+    bars = []
+
+    class Bar:
+        def __init__(self, total):
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    model = FakeDetector(proposals, found, logits, probs)
+    metrics = evaluate_detector(
+        model, images, tmp_path, cfg, classes, attributes, batch_size=2, progress=Bar
+    )
+    # cat (3 ground truths): TP .9, FP .85, TP .8, FP .7, FP .6: precision 1, 1/2, 2/3, ...
+    # at recall 1/3, 1/3, 2/3, ...: AP 1/3 + 1/3 x 2/3 = 5/9
+    # dog (2): FP .4 (image 0), TP .4 (image 2): AP 1/2 x 1/2 = 1/4; cow: no ground truth
+    assert metrics == {
+        "val_images": 4,
+        "val_boxes": 5,
+        "map50": pytest.approx((5 / 9 + 1 / 4) / 2, abs=1e-6),
+        "recall": pytest.approx(4 / 5),  # F alone is missed (B found by the cow)
+        "proposal_recall": pytest.approx(3 / 5),  # A (IoU 0.5), D, F
+        "class_accuracy": pytest.approx(3 / 5),  # A, C, D
+        "ap50": {"cat": pytest.approx(5 / 9, abs=1e-6), "dog": pytest.approx(1 / 4)},
+        "attribute_accuracy": pytest.approx(3 / 4),  # A 0, B 1, D 1, F 1
+    }
+    assert model.labels_seen == [1, 1, 1, 2, 2]  # attributes given the true classes
+    assert [(b.total, b.done, b.closed) for b in bars] == [(5, 5, True)]
+    # without attributes: the same, and no attribute accuracy
+    model = FakeDetector(proposals, found, logits, probs, with_attributes=False)
+    plain = evaluate_detector(model, images, tmp_path, cfg, classes, [], batch_size=3)
+    assert plain == {k: v for k, v in metrics.items() if k != "attribute_accuracy"}
+
+
+def test_voc_ap_and_recall_by_hand_at_the_iou_boundary():
+    from features.detector_train import _recall
+
+    gt = [torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([[0.0, 0, 10, 10], [20, 20, 30, 30]])]
+    found = [torch.tensor([[0.0, 0, 10, 5]]), torch.tensor([[0.0, 0, 10, 4]])]
+    assert _recall(gt, found, 0.5) == pytest.approx(1 / 3)  # IoU 0.5 counts, 0.4 does not
+    assert _recall(gt, found, 0.4) == pytest.approx(2 / 3)
+    assert _recall(gt, [torch.zeros(0, 4), torch.zeros(0, 4)], 0.5) == 0.0
+    assert _recall([torch.zeros(0, 4)], [torch.zeros(0, 4)], 0.5) == 0.0
+    assert _recall(gt[:1], gt[:1], 0.5) == 1.0  # one box, found
+    truths = [{"boxes": g, "labels": torch.ones(len(g), dtype=torch.long)} for g in gt]
+    dets = [
+        {"boxes": f, "labels": torch.tensor([1]), "scores": torch.tensor([s])}
+        for f, s in zip(found, (0.9, 0.8), strict=True)
+    ]
+    # TP then FP of 3 ground truths: AP 1/3; at IoU 0.4 both hit: 2/3
+    assert voc_ap_per_class(dets, truths, 2, 0.5) == {1: pytest.approx(1 / 3)}
+    assert voc_ap_per_class(dets, truths, 2, 0.4) == {1: pytest.approx(2 / 3)}
+    # the same as class 2 of 3: class 1, without ground truth, is left out, not the end
+    for d in [*truths, *dets]:
+        d["labels"] = d["labels"] + 1
+    assert voc_ap_per_class(dets, truths, 3, 0.5) == {2: pytest.approx(1 / 3)}
+
+
 def test_a_coco_file_trains_a_detector_without_attributes(tmp_path, demo):
     root, _, _ = demo
     files, names = coco_files(tmp_path, root)

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
 import yaml
 from PIL import Image
-from torchvision.ops import nms, roi_align
+from torchvision.ops import batched_nms, box_iou, nms, roi_align
 
 from features.demo import DemoConfig, build_dataset
 from features.extract import extract_images, region_recall, report_bad_images
@@ -30,6 +31,7 @@ from features.store import FieldSpec, Store, StoreConfig, incomplete_path
 from features.visual import (
     GridExtractor,
     RegionExtractor,
+    _max_conf_from,
     build_detector,
     build_trunk,
     butd_select,
@@ -174,6 +176,15 @@ def test_butd_selection_by_hand():
     assert keep.tolist() == [0, 1, 2] and conf[2] == pytest.approx(0.3)
     keep, _, _ = butd_select(boxes, scores, cfg.model_copy(update={"max_boxes": 1}))
     assert keep.tolist() == [0]
+    # box 1's best score is class 2 (0.95), but box 0 suppresses it there: its confidence
+    # and class are those of class 1, where it survives
+    scores = torch.tensor([[0.0, 0.1, 0.99], [0.0, 0.6, 0.95], [0.0, 0.3, 0.0]])
+    keep, classes, conf = butd_select(boxes, scores, cfg)
+    assert keep.tolist() == [0, 1] and classes.tolist() == [2, 1]
+    assert conf.tolist() == pytest.approx([0.99, 0.6])
+    # background only: no class, nothing to select, whatever min_boxes asks
+    keep, classes, conf = butd_select(boxes, scores[:, :1], cfg.model_copy(update={"min_boxes": 3}))
+    assert (len(keep), len(classes), len(conf)) == (0, 0, 0)
 
 
 def reference_butd(boxes, scores, cfg):
@@ -193,6 +204,37 @@ def reference_butd(boxes, scores, cfg):
     keep = torch.argsort(max_conf, descending=True, stable=True)[:n_keep]
     classes = torch.where(best[keep] > 0, best[keep], scores[keep, 1:].argmax(dim=1) + 1)
     return keep, classes, max_conf[keep]
+
+
+def at_iou(iou: float) -> torch.Tensor:
+    """Two boxes whose IoU is ``iou``: 10x10 and 10x(10 iou) sharing a corner (30/100 is
+    exact in float64; 25/100 and 50/100 also in float32)."""
+    return torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0 * iou]], dtype=torch.float64)
+
+
+def test_nms_boundary_is_torchvisions():
+    """The reference's own rule, checked here so the cases below rest on it: nms keeps a
+    box whose IoU with a kept one equals the threshold, and so does butd_select."""
+    for iou, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.3, torch.float64)):
+        boxes = at_iou(iou).to(dtype)
+        assert float(box_iou(boxes, boxes)[0, 1]) == iou
+        score = torch.tensor([0.9, 0.8], dtype=dtype)
+        assert nms(boxes, score, iou).tolist() == [0, 1]
+        assert batched_nms(boxes, score, torch.tensor([1, 1]), iou).tolist() == [0, 1]
+        cfg = RegionsConfig(nms_iou=iou, conf_threshold=0.5, min_boxes=0)
+        scores = torch.stack([torch.zeros(2, dtype=dtype), score], dim=1)  # (P, 2)
+        keep, classes, conf = butd_select(boxes, scores, cfg)
+        assert keep.tolist() == [0, 1] and classes.tolist() == [1, 1]
+        assert conf.tolist() == score.tolist()
+        # a hair above the threshold, the second box is suppressed
+        below = cfg.model_copy(update={"nms_iou": float(np.nextafter(iou, 0))})
+        assert nms(boxes, score, below.nms_iou).tolist() == [0]
+        assert butd_select(boxes, scores, below)[0].tolist() == [0]
+    # float32 cannot hold 0.3: the IoU 30/100 is 0.30000001 > 0.3 and suppresses
+    boxes = at_iou(0.3).float()
+    scores = torch.tensor([[0.0, 0.9], [0.0, 0.8]])
+    assert nms(boxes, scores[:, 1], 0.3).tolist() == [0]
+    assert butd_select(boxes, scores, RegionsConfig(min_boxes=0))[0].tolist() == [0]
 
 
 def random_boxes(gen, n, spread=100.0):
@@ -239,20 +281,35 @@ def butd_cases():
         (cfg.model_copy(update={"conf_threshold": 1.0, "min_boxes": 0})),
     )
     yield "zero scores", random_boxes(gen, n, 30), torch.zeros(n, c), cfg
-    # IoU exactly at the threshold: float32(0.3) = 0.30000001 > 0.3 suppresses, as in nms
-    a = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
-    b = torch.tensor([[0.0, 0.0, 10.0, 3.0]])  # IoU 30/100 = float32(0.3)
-    at = torch.cat([a, b, a + 50, b + 50])
-    yield "IoU at threshold", at, torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2), cfg
-    yield (
-        "IoU at threshold, 0.5",
-        at,
-        torch.tensor([[0, 0.9], [0, 0.8]] * 2),
-        (cfg.model_copy(update={"nms_iou": 0.5, "min_boxes": 0})),
-    )
+    # IoU at the threshold: torchvision's nms suppresses only IoU > nms_iou, so two boxes
+    # whose IoU equals nms_iou both survive (see test_nms_boundary_is_torchvisions)
+    for iou, dtype in ((0.5, torch.float32), (0.25, torch.float32), (0.3, torch.float64)):
+        pair = at_iou(iou).to(dtype)
+        boxes = torch.cat([pair, pair + 50])
+        scores = torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2, dtype=dtype)
+        at = cfg.model_copy(update={"nms_iou": iou, "min_boxes": 0})
+        yield f"IoU exactly {iou} ({dtype}) = nms_iou", boxes, scores, at
+    # float32 has no 0.3: the IoU 30/100 is float32(0.3) = 0.30000001 > 0.3, suppressed
+    pair = at_iou(0.3).float()
+    boxes = torch.cat([pair, pair + 50])
+    scores = torch.tensor([[0, 0.9, 0.1], [0, 0.8, 0.7]] * 2)
+    yield "IoU float32(0.3) just above nms_iou 0.3", boxes, scores, cfg
+    # proposal 0 is kept only to reach min_boxes: it survives in class 1, at score 0, and
+    # its class is its top-scoring one (2), as in the loop (a score 0 raises no max_conf)
+    boxes = torch.tensor([[0.0, 0, 10, 10], [0, 0, 10, 10], [50, 50, 60, 60]])
+    scores = torch.tensor([[0.5, 0.0, 0.5], [0.1, 0.0, 0.9], [0.6, 0.0, 0.4]])
+    yield "kept at score 0", boxes, scores, cfg.model_copy(update={"min_boxes": 3})
+    # max_conf exactly conf_threshold: kept (>=), like the loop's max_conf >= threshold
+    scores = torch.tensor([[0.0, 0.5, 0.25], [0.0, 0.25, 0.5], [0.0, 0.5, 0.0]])
+    at = cfg.model_copy(update={"conf_threshold": 0.5, "min_boxes": 0})
+    yield "max_conf = conf_threshold", random_boxes(gen, 3, 300), scores, at
     logits = torch.randn(n, c, generator=gen, dtype=torch.float64) * 3
     yield "float64", random_boxes(gen, n).double(), logits.softmax(1), cfg
+    low = torch.rand(n, 3, generator=gen, dtype=torch.float64) * 0.05
+    yield "float64, all below threshold", random_boxes(gen, n, 30).double(), low, cfg
     yield "no proposals", torch.zeros(0, 4), torch.zeros(0, c), cfg
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    yield "no proposals, float64", empty, torch.zeros(0, c, dtype=torch.float64), cfg
 
 
 @pytest.mark.parametrize("case", list(butd_cases()), ids=lambda case: case[0])
@@ -263,6 +320,18 @@ def test_fast_butd_selection_equals_the_per_class_loop(case):
     assert keep.tolist() == ref_keep.tolist()
     assert classes.tolist() == ref_classes.tolist()
     assert conf.tolist() == ref_conf.tolist()  # bit for bit
+    assert (keep.dtype, classes.dtype, conf.dtype) == (torch.long, torch.long, scores.dtype)
+
+
+def test_max_conf_marks_proposals_without_a_positive_surviving_score():
+    """_max_conf_from on its own: proposal 0 is suppressed by 1 in class 1 and scores 0 in
+    class 2 (survives there, but a 0 is no confidence): max_conf 0, class -1."""
+    fg = torch.tensor([[0.8, 0.0], [0.9, 0.0], [0.0, 0.3]])  # (P, C - 1)
+    over = torch.tensor([[False, True, False], [True, False, False], [False, False, False]])
+    max_conf, best = _max_conf_from(fg, over, 0.0)
+    assert max_conf.tolist() == pytest.approx([0.0, 0.9, 0.3]) and best.tolist() == [-1, 0, 1]
+    max_conf, best = _max_conf_from(fg, over, 0.95)  # no pair reaches tau
+    assert max_conf.tolist() == [0.0, 0.0, 0.0] and best.tolist() == [-1, -1, -1]
 
 
 def test_fast_butd_selection_on_many_random_images():
@@ -313,6 +382,40 @@ def test_grid_and_global_features(demo, tmp_path):
         store.read(0, len(store))["projected"], project(pooled, mean, axes), rtol=1e-4, atol=1e-4
     )
     assert store.verify() == []
+
+
+def adaptive_pool_by_hand(fmap: np.ndarray, g: int) -> np.ndarray:
+    """(C, H, W) -> (g, g, C): cell (i, j) is the mean of rows floor(iH/g)..ceil((i+1)H/g)
+    and the same for columns, the bins of adaptive average pooling."""
+    c, h, w = fmap.shape
+    out = np.zeros((g, g, c))
+    for i in range(g):
+        for j in range(g):
+            rows = slice(i * h // g, -(-(i + 1) * h // g))
+            cols = slice(j * w // g, -(-(j + 1) * w // g))
+            out[i, j] = fmap[:, rows, cols].mean(axis=(1, 2))
+    return out
+
+
+def test_grid_cells_and_pooled_vector_are_the_conv5_map_of_the_torchvision_resnet(tmp_path):
+    """On a non-square image (conv5 5 x 9), the stored grid is the conv5 map of the
+    torchvision ResNet, its layers called here one by one, pooled to 7 x 7 cell by cell
+    (rows from H, columns from W), and the pooled vector its mean over all positions."""
+    torch.manual_seed(3)
+    resnet = torchvision.models.resnet18(weights=None).eval()
+    torch.save(resnet.state_dict(), tmp_path / "r18.pt")
+    cfg = GridConfig(architecture="resnet18", weights=str(tmp_path / "r18.pt"), grid=7)
+    extractor = GridExtractor(build_trunk(cfg), cfg, CPU)
+    image = torch.randn(3, 160, 288)  # (3, H, W)
+    out = extractor([{"image": image, "hw": (480, 864)}])[0]
+    with torch.no_grad():
+        x = resnet.maxpool(resnet.relu(resnet.bn1(resnet.conv1(image[None]))))
+        conv5 = resnet.layer4(resnet.layer3(resnet.layer2(resnet.layer1(x))))[0].numpy()
+    assert conv5.shape == (512, 5, 9)
+    assert out["features"].shape == (7, 7, 512) and out["pooled"].shape == (512,)
+    np.testing.assert_allclose(out["features"], adaptive_pool_by_hand(conv5, 7), atol=1e-5)
+    np.testing.assert_allclose(out["pooled"], conv5.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
+    assert out["image_hw"].tolist() == [480, 864]
 
 
 def test_pca_ignores_everything_but_train():

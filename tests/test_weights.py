@@ -118,6 +118,50 @@ def test_imagenet_weights_initialise_the_c4_trunk_and_res5_head(tmp_path):
         torch.testing.assert_close(trunk(x), conv5(resnet, x))
 
 
+def training_checkpoint(state: dict, model: nn.Module) -> dict:
+    """What training scripts save: the weights beside the optimiser's state and the epoch."""
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return {"epoch": 3, "model": state, "optimizer": optimiser.state_dict()}
+
+
+WRAPPERS = {
+    "model": lambda state, model: {"model": state},
+    "state_dict": lambda state, model: {"state_dict": state},
+    "training checkpoint": training_checkpoint,
+    "model, then state_dict": lambda state, model: {"model": {"state_dict": state}},
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_wrapped_state_dicts_load_as_the_state_dict_they_hold(tmp_path, wrapper):
+    wrap = WRAPPERS[wrapper]
+    torch.manual_seed(5)
+    resnet = torchvision.models.resnet18(weights=None).eval()
+    path = save(wrap(resnet.state_dict(), resnet), tmp_path / "resnet.pt")
+    trunk = build_trunk(GridConfig(architecture="resnet18", weights=path))
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(trunk(x), conv5(resnet, x))
+    # regions: the same file initialises a detector's trunk; a wrapped detection state
+    # dict loads whole, its class count read through the wrapper
+    with pytest.warns(UserWarning, match="RPN and the box predictor are RANDOM"):
+        model = build_detector(RegionsConfig(architecture="resnet18_fpn", weights=path))
+    assert torch.equal(model.backbone.body.layer4[1].conv2.weight, resnet.layer4[1].conv2.weight)
+    torch.manual_seed(6)
+    frcnn = detection.FasterRCNN(
+        detection.backbone_utils.resnet_fpn_backbone(
+            backbone_name="resnet18", weights=None, trainable_layers=5
+        ),
+        num_classes=7,
+    )
+    path = save(wrap(frcnn.state_dict(), frcnn), tmp_path / "frcnn.pt")
+    loaded = build_detector(RegionsConfig(architecture="resnet18_fpn", weights=path))
+    assert loaded.roi_heads.box_predictor.cls_score.out_features == 7
+    ours = loaded.state_dict()
+    for name, value in frcnn.state_dict().items():
+        assert torch.equal(ours[name], value), name
+
+
 def test_torchvision_entries_resolve_from_the_local_hub_cache_only(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     entry = "torchvision:ResNet18_Weights.IMAGENET1K_V1"
