@@ -29,20 +29,19 @@ import torch
 import yaml
 from torchvision.ops import nms
 
+from features.decode import load_image
 from features.demo import DemoConfig, build_dataset
-from features.detector import build_detector_model, detector_checkpoint
-from features.extract import extract_images
-from features.images import load_image
-from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.store import StoreConfig
-from features.visual import (
-    GridExtractor,
-    RegionExtractor,
-    build_detector,
-    build_trunk,
-    butd_select,
-)
-from features.visual_config import DetectorConfig, GridConfig, RegionsConfig
+from features.detector.config import DetectorConfig
+from features.detector.model import build_detector_model, detector_checkpoint
+from features.images.config import GridConfig, RegionsConfig
+from features.images.extract import extract_images
+from features.images.grid import GridExtractor, build_trunk
+from features.images.regions import RegionExtractor, build_detector
+from features.images.select import butd_select
+from features.ingest.manifest import read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
+from features.store.spec import StoreConfig
 
 
 def bare_forward(extractor, items: list[dict], batch_size: int) -> float:

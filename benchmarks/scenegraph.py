@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from features.scenegraph import ScenegraphConfig, load_pipeline, parse_captions_timed
+from features.scenegraph.stage import ScenegraphConfig, load_pipeline, parse_captions_timed
 
 GOLD = Path(__file__).resolve().parent.parent / "tests" / "data" / "captions_gold.jsonl"
 SPLIT = re.compile(r"\s(?=(?:on|in|with|next to|near|at|under|by|over|down|behind)\s)", re.I)

@@ -23,9 +23,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from features.ingest import Dataset, Record, read_manifest, write_manifest
-from features.shards import GroupColumns, ShardsConfig, build_shards, read_groups, read_sizes
-from features.store import Provenance, Store, StoreConfig, StoreWriter, regions_fields
+from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+from features.shards.reader import GroupColumns, read_groups, read_sizes
+from features.shards.writer import ShardsConfig, build_shards
+from features.store.reader import Store
+from features.store.spec import Provenance, StoreConfig, regions_fields
+from features.store.writer import StoreWriter
 
 R, D = 36, 2048
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from features.store import FieldSpec, Provenance, StoreConfig, StoreWriter, regions_fields
+from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
+from features.store.writer import StoreWriter
 
 R, D, TOKEN_DIM = 36, 2048, 768
 

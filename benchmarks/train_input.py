@@ -40,13 +40,17 @@ import torch
 from store_read import measure  # benchmarks/ is on the path when run as a script
 from torch.utils.data import DataLoader, Dataset
 
-from features.ingest import Dataset as Records
-from features.ingest import Record, read_manifest, write_manifest
-from features.shards import ShardsConfig, build_shards
-from features.store import FieldSpec, Provenance, Store, StoreConfig, StoreWriter, regions_fields
-from models.batches import Batches, Stream
+from features.ingest.manifest import Dataset as Records
+from features.ingest.manifest import Record, read_manifest, write_manifest
+from features.shards.writer import ShardsConfig, build_shards
+from features.store.reader import Store
+from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
+from features.store.writer import StoreWriter
 from models.common import TrainConfig
-from models.data import FeaturePaths, PairData, ShardData
+from models.data.batches import Batches, Stream
+from models.data.info import FeaturePaths
+from models.data.pairs import PairData
+from models.data.shards import ShardData
 from models.train import epoch_batches
 
 R, D, TOKEN_DIM, CAPTIONS, VOCAB = 36, 2048, 768, 5, 10000

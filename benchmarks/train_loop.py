@@ -34,12 +34,14 @@ import yaml
 from torch import nn
 from train_input import generate, load
 
-from features.ingest import Dataset as Records
-from features.ingest import Record, read_manifest, write_manifest
-from features.store import FieldSpec, Provenance, StoreConfig, StoreWriter, regions_fields
-from models.batches import Batches
+from features.ingest.manifest import Dataset as Records
+from features.ingest.manifest import Record, read_manifest, write_manifest
+from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
+from features.store.writer import StoreWriter
 from models.common import TrainConfig, hinge_triplet, l2norm
-from models.data import FeaturePaths, PairData
+from models.data.batches import Batches
+from models.data.info import FeaturePaths
+from models.data.pairs import PairData
 from models.mvvse import MVVSEConfig
 from models.train import epoch_batches, train
 

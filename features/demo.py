@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from pydantic import Field, model_validator
 
-from features.config import Section, Seed
+from infra.config import Section, Seed
 
 SHAPES = ("circle", "square", "triangle", "star", "hexagon", "diamond")
 COLORS = {
@@ -540,11 +540,11 @@ def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
     The folder is built aside and moved into place whole, so ``out_dir`` is never a
     partial dataset. ``progress`` wraps the item iterator (e.g. ``tqdm``) to show images/s.
     """
-    from features.files import atomic_path
+    from infra.files import atomic_path
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir / "dataset.json").is_file() and any(out_dir.iterdir()):
-        from features.config import UserError
+        from infra.config import UserError
 
         raise UserError(
             f"{out_dir} exists and is not a demo dataset (no dataset.json); remove it or "

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from features.config import ConfigError, UserError
 from flows.commands import GROUPS, discover
+from infra.config import ConfigError, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:

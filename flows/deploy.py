@@ -37,7 +37,7 @@ def train_and_evaluate(
     """Reproduce ``evaluate@<model>`` and what it needs; attach the evaluation table."""
     from prefect.artifacts import create_markdown_artifact
 
-    from models.report import markdown_table
+    from models.report.table import markdown_table
 
     stage = f"evaluate@{model}"
 
@@ -124,7 +124,7 @@ def wait_for_server(timeout: float = 120.0) -> None:
 
     from prefect.settings import PREFECT_API_URL
 
-    from features.config import UserError
+    from infra.config import UserError
 
     api = PREFECT_API_URL.value()
     if not api:

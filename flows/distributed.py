@@ -36,8 +36,9 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger, task
 from pydantic import BaseModel, ConfigDict
 
-from features.store import Store, StoreConfig, StoreError
-from features.visual_config import ExtractConfig, GridConfig, RegionsConfig
+from features.images.config import ExtractConfig, GridConfig, RegionsConfig
+from features.store.reader import Store
+from features.store.spec import StoreConfig, StoreError
 
 
 class ExtractJob(BaseModel):
@@ -76,7 +77,7 @@ def worker_extractor(job: ExtractJob):
     key = job.config.model_dump_json() + job.stage
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
-        from features.extract import build_image_extractor
+        from features.images.extract import build_image_extractor
 
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a random-init warning in every worker's log
@@ -85,8 +86,8 @@ def worker_extractor(job: ExtractJob):
 
 
 def _store_writer(job: ExtractJob, log, shards=None):
-    from features.extract import image_store_writer
-    from features.ingest import read_manifest
+    from features.images.extract import image_store_writer
+    from features.ingest.manifest import read_manifest
 
     manifest = read_manifest(Path(job.manifest))
     extractor = worker_extractor(job)
@@ -112,8 +113,8 @@ def _group_name(parameters: dict) -> str:
 def extract_shards(job: ExtractJob, shards: list[int]) -> dict:
     """Extract and commit ``shards`` of the store (a shard writer); timing of the group.
     A retry resumes: shards committed before a failure are skipped."""
-    from features.extract import extract_images
-    from features.ingest import read_manifest
+    from features.images.extract import extract_images
+    from features.ingest.manifest import read_manifest
 
     logger = get_run_logger()
     cfg = job.config
@@ -232,7 +233,7 @@ def extract_distributed(job: ExtractJob, shards_per_task: int = 1) -> dict:
 def dask_task_runner(workers: int = 2, address: str | None = None):
     """Prefect's Dask task runner on the cluster at ``address``, or on a LocalCluster of
     ``workers`` single-threaded processes that lives as long as the flow run."""
-    from features.config import require_extra
+    from infra.config import require_extra
 
     require_extra("distributed", "dask", "extraction over a Dask cluster")
     DaskTaskRunner = require_extra(

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, create_model
 
-from features.config import ConfigError, Section, format_errors
+from infra.config import ConfigError, Section, format_errors
 
 MODELS = "models.registry"  # section `models`: one section per model, models.<name>
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from features.config import UserError
+from infra.config import UserError
 
 FEATURE_STAGES = ("regions", "grid", "global", "text", "scenegraph", "sbert_stats", "adversarial")
 PROGRESS = re.compile(r"\d+%\|")  # a tqdm progress bar update

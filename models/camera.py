@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 from torch import nn
 
-from features.config import Section
+from infra.config import Section
 from models.common import (
     float32_scores,
     hinge_triplet,
@@ -80,7 +80,7 @@ from models.common import (
     masked_mean,
     multiview_sim,
 )
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 
 class CAMERAConfig(Section):

@@ -16,8 +16,8 @@ from pydantic import (
 )
 from torch import nn
 
-from features.config import Section, Seed
-from features.device import Device
+from infra.config import Section, Seed
+from infra.device import Device
 
 
 class TrainConfig(Section):

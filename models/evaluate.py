@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from pydantic import Field, PositiveInt, model_validator
 
-from features.config import Section
-from features.device import Device
-from features.finite import NonFiniteError, finite_rows
+from infra.config import Section
+from infra.device import Device
+from infra.finite import NonFiniteError, finite_rows
 from models.common import autocast
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
 
@@ -78,7 +78,7 @@ def refuse_non_finite(embeddings: torch.Tensor, keys, what: str) -> None:
 def _batches(data, device, batches):
     """``batches`` as a context manager, or a new :class:`models.batches.Batches` of ``data``
     (a thread) that is closed after use."""
-    from models.batches import Batches
+    from models.data.batches import Batches
 
     return nullcontext(batches) if batches is not None else Batches(data, device)
 
@@ -171,7 +171,7 @@ def adversarial_metrics(
 
 def embed(model, data, cfg: EvaluateConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every image and caption embedding of ``data`` (read by ``cfg.num_workers``)."""
-    from models.batches import Batches
+    from models.data.batches import Batches
 
     model.eval()
     options = {"num_workers": cfg.num_workers, "prefetch": cfg.prefetch}
@@ -186,7 +186,7 @@ def evaluate_model(
 ) -> dict:
     """Everything ``vse evaluate`` reports for one model on one split (``embeddings``: the
     split's ``(img, txt)`` if already computed, see :func:`embed`)."""
-    from models.batches import Batches
+    from models.data.batches import Batches
 
     options = {"num_workers": cfg.num_workers, "prefetch": cfg.prefetch}
     img, txt = embeddings if embeddings is not None else embed(model, data, cfg, device)

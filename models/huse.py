@@ -53,9 +53,9 @@ import torch.nn.functional as F
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import nn
 
-from features.config import Section
+from infra.config import Section
 from models.common import cosine_sim, l2norm
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 
 class HUSEConfig(Section):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from features.finite import NonFiniteError
+from infra.finite import NonFiniteError
 
 KS = (1, 5, 10)
 

@@ -79,7 +79,7 @@ import torch
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator
 from torch import nn
 
-from features.config import Section
+from infra.config import Section
 from models.common import (
     GRUText,
     float32_scores,
@@ -90,7 +90,7 @@ from models.common import (
     lengths_mask,
     multiview_sim,
 )
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 PAD_SCORE = -10000.0  # the reference's stand-in for -inf at padded set positions
 

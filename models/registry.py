@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from features.config import Section
+from infra.config import Section
 
 MODELS = {
     "vsepp": "models.vsepp:VSEPP",

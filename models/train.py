@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from features.config import Section, UserError
-from features.device import resolve_device
-from features.files import save_torch
-from features.resume import restore_training, training_state
+from infra.config import Section, UserError
+from infra.device import resolve_device
+from infra.files import save_torch
+from infra.resume import restore_training, training_state
 from models.common import TrainConfig, autocast
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 CHECKPOINT_VERSION = 1
 CHECK_EVERY = 50  # steps between reads of the device's non-finite-loss flag
@@ -184,7 +184,7 @@ def train(
     files, plots). ``prepare_model`` may change a fresh model before training (e.g. load
     GloVe vectors); it is not called when resuming.
     """
-    from models.batches import Batches
+    from models.data.batches import Batches
     from models.evaluate import evaluate_split
 
     out_dir = Path(out_dir)
@@ -377,7 +377,7 @@ def _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path) -> No
 
 def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:
     """The DVC metrics file (last epoch, best epoch) and the per-epoch plot table."""
-    from features.files import write_json
+    from infra.files import write_json
 
     if not history:
         return
@@ -393,7 +393,7 @@ def class_embedder(cfg) -> Callable[[list[str]], np.ndarray]:
     (``cfg``: the ``sbert`` section)."""
 
     def embed(names: list[str]) -> np.ndarray:
-        from features.sbert_stats import sbert_encoder
+        from features.text.sbert_stats import sbert_encoder
 
         return sbert_encoder(cfg.model_copy(update={"device": "cpu"}))(names)
 
@@ -416,7 +416,8 @@ def train_stage(
     """Stage ``train@<name>``: the splits' data from the stores (or the train split streamed
     from ``train.shards``, checked against them), training with selection on val,
     checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
-    from models.data import PairData, ShardData
+    from models.data.pairs import PairData
+    from models.data.shards import ShardData
     from models.registry import model_inputs
 
     inputs = model_inputs(name, model_config)

@@ -58,9 +58,9 @@ import torch.nn.functional as F
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 
-from features.config import Section
+from infra.config import Section
 from models.common import cosine_sim, float32_scores, full_precision, l2norm
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 NEGATIVE_KINDS = ("nouns", "adjectives", "relations")
 

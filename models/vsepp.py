@@ -41,9 +41,9 @@ import torch
 from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
-from features.config import Section
+from infra.config import Section
 from models.common import GRUText, dot_sim, hinge_triplet, l2norm
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 
 class VSEPPConfig(Section):

@@ -1,7 +1,8 @@
 """What each DVC stage runs, derived from the code: the project modules its command
 imports (transitively, imports inside functions included) and the paths it reads and
 writes. ``tests/test_dag.py`` checks ``dvc.yaml`` against it; ``python tests/dag_deps.py``
-prints each stage's code deps (for writing ``dvc.yaml``)."""
+prints each stage's code deps, ``python tests/dag_deps.py --write`` puts them in
+``dvc.yaml`` (the other deps, comments and order stay)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("features", "models", "flows")
+PACKAGES = ("infra", "features", "models", "flows")
 sys.path.insert(0, str(REPO))
 
 
@@ -106,8 +107,45 @@ def stage_code_deps(stage) -> set[str]:
     return code_deps(command_of(argv), params)
 
 
-if __name__ == "__main__":
+def write_code_deps(path: Path = REPO / "dvc.yaml") -> None:
+    """Replace the ``.py`` deps of each stage of ``path`` by the derived ones; a ``foreach``
+    stage lists what its items share, with ``${key}`` for the one file named after the
+    item (the model's)."""
+    derived: dict[str, set[str]] = {}
     for name, stage in stages().items():
-        print(f"{name}:")
-        for path in sorted(stage_code_deps(stage)):
-            print(f"      - {path}")
+        base, _, key = name.partition("@")
+        deps = {p.replace(f"/{key}.py", "/${key}.py") if key else p for p in
+                stage_code_deps(stage)}
+        if base in derived and derived[base] != deps:
+            sys.exit(f"stage {base}: its items run different code: {derived[base] ^ deps}")
+        derived[base] = deps
+    lines = path.read_text().splitlines(keepends=True)
+    out, stage, in_stages = [], None, False
+    for i, line in enumerate(lines):
+        if line.startswith("stages:"):
+            in_stages = True
+        elif in_stages and line.startswith("  ") and not line.startswith("   ") and ":" in line:
+            stage = line.strip().rstrip(":")
+        code = line.strip().startswith("- ") and line.strip()[2:].endswith(".py")
+        if not (in_stages and code):
+            out.append(line)
+            continue
+        previous_code = lines[i - 1].strip().startswith("- ") and lines[i - 1].strip()[
+            2:
+        ].endswith(".py")
+        if not previous_code:  # the first code dep of a list: write all of them here
+            indent = line[: len(line) - len(line.lstrip())]
+            out.extend(f"{indent}- {p}\n" for p in sorted(derived.pop(stage)))
+    if derived:
+        sys.exit(f"stages without code deps in {path}: {sorted(derived)}")
+    path.write_text("".join(out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write_code_deps()
+    else:
+        for name, stage in stages().items():
+            print(f"{name}:")
+            for path in sorted(stage_code_deps(stage)):
+                print(f"      - {path}")

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from features.demo import SHAPES, DemoConfig, generate_image
-from features.text import build_vocab, fit_tfidf, tfidf_vector, word_ids, words
-from models.data import DataInfo, phrase_ids, scene_graph_batch
+from features.text.vocab import build_vocab, fit_tfidf, tfidf_vector, word_ids, words
+from models.data.arrays import phrase_ids, scene_graph_batch
+from models.data.info import DataInfo
 
 IMAGE_DIM, REGION_DIM, GRID_DIM, TOKEN_DIM, DOC_DIM = 48, 32, 32, 24, 40
 MAX_REGIONS, GRID_CELLS = 4, 4

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from features.ingest import Dataset, Record, read_manifest, write_manifest
-from features.store import FieldSpec, Provenance, StoreConfig, StoreWriter
-from models.data import FeaturePaths
+from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+from features.store.spec import FieldSpec, Provenance, StoreConfig
+from features.store.writer import StoreWriter
+from models.data.info import FeaturePaths
 
 R, REGION_DIM, GRID, GRID_DIM, IMAGE_DIM = 5, 8, 2, 4, 7
 TOKEN_DIM, DOC_DIM, VOCAB, TERMS = 6, 5, 30, 9

@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from features.store import Provenance, StoreConfig, StoreWriter, ragged_fields, regions_fields
+from features.store.spec import Provenance, StoreConfig, ragged_fields, regions_fields
+from features.store.writer import StoreWriter
 
 PROVENANCE = Provenance("crash-test", "1", {"seed": 0}, "w" * 8, "m" * 64)
 

@@ -1,6 +1,6 @@
 """Adversarial captions (UniVSE 4.2): edits that make the caption wrong for its image."""
 
-from features.adversarial import AdversarialConfig, adversarial_captions
+from features.scenegraph.adversarial import AdversarialConfig, adversarial_captions
 
 
 def obj(word):

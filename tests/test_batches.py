@@ -10,10 +10,12 @@ import torch
 from model_data import TinyPairs
 from store_data import make_stores
 
-from features.store import Store
-from models.batches import Arena, Batches, DataWorkerError
+from features.store.reader import Store
 from models.common import TrainConfig, host_lengths
-from models.data import DataError, PairData, _tensors, finish, to_device
+from models.data.arrays import _tensors, finish, to_device
+from models.data.batches import Arena, Batches, DataWorkerError
+from models.data.info import DataError
+from models.data.pairs import PairData
 from models.train import epoch_batches, train
 from models.vsepp import VSEPPConfig
 
@@ -232,7 +234,7 @@ def test_cuda_batches_leave_pinned_memory_and_equal_the_host_batches(
     """On CUDA every array reaches the device from pinned memory (what makes the
     ``non_blocking`` copy asynchronous), and the batch finished there equals the one
     finished on the host."""
-    import models.batches
+    import models.data.batches
 
     pinned = []
 
@@ -240,7 +242,7 @@ def test_cuda_batches_leave_pinned_memory_and_equal_the_host_batches(
         pinned.extend((k, v.is_pinned()) for k, v in batch.items() if torch.is_tensor(v))
         return to_device(batch, device)
 
-    monkeypatch.setattr(models.batches, "to_device", recording)
+    monkeypatch.setattr(models.data.batches, "to_device", recording)
     data = PairData(paths, "train", ALL)
     data.standardize(data.feature_stats())
     tasks = [("pair", np.arange(8)), ("image", np.arange(4)), ("text", np.arange(5))]
@@ -281,8 +283,8 @@ def test_cuda_steps_do_not_synchronise(tmp_path):
 def test_a_non_finite_input_is_refused_naming_the_store_field_and_key(tmp_path):
     """A store holding NaN (damaged, or made by a broken tool) never trains a model: the
     batch is refused, one line naming the store, the field and the sample."""
-    from features.finite import NonFiniteError
-    from features.store import Store
+    from features.store.reader import Store
+    from infra.finite import NonFiniteError
 
     stores = make_stores(tmp_path)
     regions = Store.open(stores.regions)
@@ -308,7 +310,7 @@ def test_a_non_finite_input_is_refused_naming_the_store_field_and_key(tmp_path):
 def test_a_dimension_dead_on_train_cannot_dominate_a_standardised_test_image():
     """A ReLU unit that never fires on train has std ~0; floored at a tenth of the typical
     std, its value on a test image is scaled like a 10x-quieter dimension, not by 1/eps."""
-    from models.data import floored_std
+    from models.data.arrays import floored_std
 
     rng = np.random.default_rng(0)
     train = np.abs(rng.normal(size=(500, 64)))

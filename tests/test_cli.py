@@ -80,9 +80,9 @@ def test_file_system_errors_are_one_line(tmp_path, capsys):
 def test_malformed_command_line_items_are_one_line_errors():
     import pytest
 
-    from features.config import UserError
     from flows.commands.flow import parse_overrides
     from flows.commands.shards import _named_paths
+    from infra.config import UserError
 
     assert parse_overrides(["train.lr=0.1", "grid.weights=null", "text.model=bert-base"]) == {
         "train.lr": 0.1,  # values are JSON, else strings

@@ -3,9 +3,9 @@
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from features.config import ConfigError, Section, format_errors
 from flows.cli import main
 from flows.params import load_params, params_model
+from infra.config import ConfigError, Section, format_errors
 
 
 def test_repo_params_are_valid_and_match_the_paper_free_defaults(repo_root):
@@ -92,13 +92,13 @@ def test_a_missing_extra_is_named(monkeypatch):
     """Optional features say which extra installs them (sys.modules None: not installed)."""
     import sys
 
-    from features.config import UserError, require_extra
+    from infra.config import UserError, require_extra
 
     monkeypatch.setitem(sys.modules, "prefect_dask", None)
     with pytest.raises(UserError, match=r"extraction over Dask needs the \[dask\] extra: pip"):
         require_extra("prefect_dask", "dask", "extraction over Dask")
     monkeypatch.setitem(sys.modules, "s3fs", None)
-    from features.store import Store
+    from features.store.reader import Store
 
     with pytest.raises(UserError, match=r"reading s3://b/r.zarr needs the \[s3\] extra"):
         Store.open("s3://b/r.zarr")

@@ -51,11 +51,11 @@ def test_paths_the_command_reads_are_deps_and_those_it_writes_are_outs(name):
 
 
 def test_every_stage_that_touches_a_store_depends_on_the_store_code():
-    """Editing features/store.py reruns every stage that writes or reads a store."""
+    """Editing features/store/spec.py reruns every stage that writes or reads a store."""
     for name, stage in STAGES.items():
         paths = _paths(stage.deps) | _paths(stage.outs)
         if any(".zarr" in p for p in paths):
-            assert "features/store.py" in stage_code_deps(stage), name
+            assert "features/store/spec.py" in stage_code_deps(stage), name
 
 
 def test_no_stage_persists_its_outputs():

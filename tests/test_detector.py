@@ -17,28 +17,30 @@ import torch
 import torch.nn.functional as F
 
 from features.demo import DemoConfig, build_dataset
-from features.detection_data import (
+from features.detector.config import DetectorConfig
+from features.detector.data import (
     DetectionDataError,
     DetectionImage,
     read_coco,
     read_manifest_boxes,
     read_visual_genome,
 )
-from features.detector import attribute_loss, build_detector_model
-from features.detector_train import (
-    DetectionItems,
-    DetectorTrainingError,
-    attribute_targets,
+from features.detector.loader import DetectionItems, attribute_targets
+from features.detector.metrics import (
     average_precision,
     evaluate_detector,
     plot_ap,
-    train_detector,
     voc_ap_per_class,
 )
-from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.visual import RegionExtractor, build_detector, build_trunk
-from features.visual_config import DetectorConfig, GridConfig, RegionsConfig
-from features.weights import WeightsError
+from features.detector.model import attribute_loss, build_detector_model
+from features.detector.train import DetectorTrainingError, train_detector
+from features.detector.weights import WeightsError
+from features.images.config import GridConfig, RegionsConfig
+from features.images.grid import build_trunk
+from features.images.regions import RegionExtractor, build_detector
+from features.ingest.manifest import read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
 
 TINY = DetectorConfig(
     architecture="resnet18_fpn",
@@ -286,7 +288,7 @@ def test_training_forward_has_the_attribute_term(demo):
 def test_image_head_learns_class_cover_and_attributes(demo):
     """The demo's stand-in for ImageNet pretraining, on pooled conv5: softmax
     cross-entropy against the area-weighted class distribution, BCE on attributes."""
-    from features.detector_train import _losses
+    from features.detector.train import _losses
 
     root, _, data = demo
     cfg = TINY.model_copy(update={"image_loss_weight": 1.0})
@@ -541,7 +543,7 @@ def test_detector_metrics_by_hand(tmp_path):
 
 
 def test_voc_ap_and_recall_by_hand_at_the_iou_boundary():
-    from features.detector_train import _recall
+    from features.detector.metrics import _recall
 
     gt = [torch.tensor([[0.0, 0, 10, 10]]), torch.tensor([[0.0, 0, 10, 10], [20, 20, 30, 30]])]
     found = [torch.tensor([[0.0, 0, 10, 5]]), torch.tensor([[0.0, 0, 10, 4]])]
@@ -591,10 +593,10 @@ def test_too_little_data_is_one_line(tmp_path, demo):
 JOB = """
 import sys
 from pathlib import Path
-from features.detection_data import read_manifest_boxes
-from features.detector_train import train_detector
-from features.ingest import read_manifest
-from features.visual_config import DetectorConfig
+from features.detector.data import read_manifest_boxes
+from features.detector.train import train_detector
+from features.ingest.manifest import read_manifest
+from features.detector.config import DetectorConfig
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 cfg = DetectorConfig.model_validate_json(sys.argv[3])
 data = read_manifest_boxes(read_manifest(root / "manifest.parquet"), cfg)

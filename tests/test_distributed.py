@@ -12,11 +12,16 @@ import pytest
 import torch
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import extract_images
-from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.store import Store, StoreConfig, StoreError, StoreWriter, incomplete_path
-from features.visual import GridExtractor, build_trunk
-from features.visual_config import GridConfig
+from features.images.config import GridConfig
+from features.images.extract import extract_images
+from features.images.grid import GridExtractor, build_trunk
+from features.ingest.manifest import read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
+from features.store.layout import incomplete_path
+from features.store.reader import Store
+from features.store.spec import StoreConfig, StoreError
+from features.store.writer import StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
@@ -30,7 +35,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM initialisation")
 SHARD_WRITER = """
 import sys, time
 import store_writer_job as job
-from features.store import StoreConfig, StoreWriter
+from features.store.spec import StoreConfig
+from features.store.writer import StoreWriter
 path, shards = sys.argv[1], [int(k) for k in sys.argv[2].split(",")]
 keys = [f"img{i:04d}" for i in range(120)]
 cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
@@ -188,9 +194,9 @@ def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
 
 def test_the_image_stage_takes_its_dask_cluster_from_flags_or_environment(monkeypatch):
     """The features flow sets VSE_DASK_*; the stage's own arguments say where its data is."""
-    from features.config import UserError
     from flows.cli import build_parser
     from flows.commands.extract_images import dask_settings
+    from infra.config import UserError
 
     argv = ["extract", "grid", "--manifest", "m", "--images", "i", "--out", "o"]
     argv += ["--errors", "e", "--metrics", "j"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_data import TinyPairs
 
-from features.finite import NonFiniteError
+from infra.finite import NonFiniteError
 from models.evaluate import (
     EvaluateConfig,
     adversarial_metrics,
@@ -473,11 +473,11 @@ def test_evaluate_split_and_the_encoders_alone():
 def test_each_source_is_read_once_by_the_configured_readers(monkeypatch):
     """The split through one reader with evaluate's num_workers and prefetch, the fake
     captions through another."""
-    import models.batches
+    import models.data.batches
 
     made = []
 
-    class Counted(models.batches.Batches):
+    class Counted(models.data.batches.Batches):
         def __init__(self, source, device, **options):
             made.append((source, options))
             super().__init__(source, device, **options)

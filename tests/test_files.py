@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from features.files import atomic_path, sweep_stale, write_text
 from flows.cli import main
+from infra.files import atomic_path, sweep_stale, write_text
 
 JOB = Path(__file__).parent / "kill_job.py"
 MATPLOTLIB = ["matplotlib.pyplot", "models.report"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from features.finite import NonFiniteError, check_finite, finite_rows, nonfinite_fields
+from infra.finite import NonFiniteError, check_finite, finite_rows, nonfinite_fields
 
 
 def test_finite_rows_of_arrays_tensors_and_ragged_fields():

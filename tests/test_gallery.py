@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from models.data import DataInfo
-from models.gallery import TOP_K, retrievals, view_regions
-from models.gallery_page import write_gallery
+from models.data.info import DataInfo
+from models.report.gallery import TOP_K, retrievals, view_regions
+from models.report.gallery_page import write_gallery
 
 
 def test_retrievals_mark_the_ground_truth_and_rank_by_score():

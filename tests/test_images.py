@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from features.images import BadImage, load_image
+from features.decode import BadImage, load_image
 
 
 def make_corpus(folder):
@@ -102,7 +102,7 @@ def test_extreme_aspect_ratios_are_refused_with_their_own_reason(tmp_path):
 def test_centre_crop_resize_equals_resize_then_crop():
     """The crop is taken in source coordinates, so it matches resizing the whole image
     first (what the grid's prepare did) without its cost."""
-    from features.images import centre_crop_resize
+    from features.decode import centre_crop_resize
 
     rng = np.random.default_rng(0)
     for w, h in [(64, 48), (48, 64), (100, 37), (224, 224), (31, 300), (500, 499)]:
@@ -122,7 +122,7 @@ def test_centre_crop_resize_equals_resize_then_crop():
 SLIVERS = """
 import resource, sys, tempfile
 from PIL import Image
-from features.images import BadImage, centre_crop_resize, load_image
+from features.decode import BadImage, centre_crop_resize, load_image
 w, h = int(sys.argv[1]), int(sys.argv[2])
 image = Image.new("RGB", (w, h), (10, 20, 30))
 path = tempfile.mktemp(suffix=".png")

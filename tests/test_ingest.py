@@ -10,17 +10,10 @@ import pyarrow as pa
 import pytest
 
 from features.demo import DemoConfig, build_dataset
-from features.ingest import (
-    MANIFEST_COLUMNS,
-    READERS,
-    IngestError,
-    PrepareConfig,
-    check_path,
-    prepare,
-    read_manifest,
-    validate,
-    write_manifest,
-)
+from features.ingest.manifest import MANIFEST_COLUMNS, IngestError, read_manifest, write_manifest
+from features.ingest.prepare import prepare
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import check_path, validate
 from flows.cli import main
 
 FIVE = ["a dog runs.", "a brown dog.", "dog on grass.", "the dog plays.", "an animal."]

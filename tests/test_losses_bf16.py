@@ -14,7 +14,7 @@ import models.mvvse
 import models.univse
 from models.camera import CAMERA, CAMERAConfig
 from models.common import hinge_triplet
-from models.data import DataInfo
+from models.data.info import DataInfo
 from models.huse import HUSE, HUSEConfig
 from models.mvvse import MVVSE, MVVSEConfig, view_scores
 from models.univse import UniVSE, UniVSEConfig

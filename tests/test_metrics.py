@@ -141,7 +141,7 @@ def test_errors_name_the_problem():
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_similarities_are_refused_not_ranked(value):
     """A NaN never compares greater, so it would rank first and raise the scores."""
-    from features.finite import NonFiniteError
+    from infra.finite import NonFiniteError
 
     sims = torch.rand(4, 8)
     sims[2, 5] = value

@@ -12,7 +12,7 @@ from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.camera import AGSA, CAMERA, CAMERAConfig, Summarization, box_code, diversity
-from models.data import DataInfo
+from models.data.info import DataInfo
 
 SMALL = dict(
     embed_size=32,

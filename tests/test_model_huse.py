@@ -11,7 +11,7 @@ import torch
 from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
-from models.data import DataInfo
+from models.data.info import DataInfo
 from models.huse import HUSE, HUSEConfig, cosine_distance, gap_loss, graph_loss, tower
 
 SMALL = dict(hidden=64, image_layers=2, text_layers=2, dropout=0.0)

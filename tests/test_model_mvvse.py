@@ -13,7 +13,7 @@ import torch
 from model_data import TinyPairs, overfit
 
 from models.common import hinge_triplet
-from models.data import DataInfo
+from models.data.info import DataInfo
 from models.mvvse import (
     GPO,
     MVVSE,

@@ -13,7 +13,7 @@ from model_data import TinyPairs, overfit
 from pydantic import ValidationError
 
 from models.common import hinge_triplet
-from models.data import DataInfo
+from models.data.info import DataInfo
 from models.univse import (
     UniVSE,
     UniVSEConfig,

@@ -9,16 +9,17 @@ import sys
 import numpy as np
 import pytest
 
-from features.ingest import Dataset, IngestError, Record, check_key, read_manifest, write_manifest
-from features.precomp import (
+from features.exchange.butd_tsv import import_butd_tsv, match_keys
+from features.exchange.precomp import (
     _rows_per_image,
     export_precomp,
-    import_butd_tsv,
     import_precomp,
-    match_keys,
     read_precomp_split,
 )
-from features.store import Store, StoreConfig, StoreError
+from features.ingest.manifest import Dataset, IngestError, Record, read_manifest, write_manifest
+from features.ingest.validate import check_key
+from features.store.reader import Store
+from features.store.spec import StoreConfig, StoreError
 from flows.cli import main
 
 CFG = StoreConfig(samples_per_shard=4, samples_per_chunk=2)

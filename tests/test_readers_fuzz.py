@@ -17,11 +17,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from features.config import ConfigError, UserError
-from features.ingest import PrepareConfig, prepare, read_manifest
-from features.precomp import import_butd_tsv, import_precomp
-from features.store import StoreConfig
+from features.exchange.butd_tsv import import_butd_tsv
+from features.exchange.precomp import import_precomp
+from features.ingest.manifest import read_manifest
+from features.ingest.prepare import prepare
+from features.ingest.readers import PrepareConfig
+from features.store.spec import StoreConfig
 from flows.params import load_params
+from infra.config import ConfigError, UserError
 
 REPO = Path(__file__).parent.parent
 SETTINGS = settings(

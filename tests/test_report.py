@@ -1,4 +1,4 @@
-"""The model comparison (models/report.py): the chance level against counting and
+"""The model comparison (models/report/table.py): the chance level against counting and
 simulation, every cell of the tables against values written by hand, and the papers'
 numbers as printed in their tables."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models.metrics import retrieval_metrics
-from models.report import chance_rsum, markdown_table
+from models.report.table import chance_rsum, markdown_table
 
 
 def counted_chance(images: int, per_image: int) -> float:

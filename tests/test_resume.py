@@ -1,4 +1,4 @@
-"""features/resume.py: ``--resume`` restores the random streams, torch's and CUDA's, so a
+"""infra/resume.py: ``--resume`` restores the random streams, torch's and CUDA's, so a
 resumed run draws what the uninterrupted run would have drawn; on CUDA, a model with
 dropout (HUSE) trained 1 + 1 epochs ends equal to 2 epochs."""
 
@@ -8,7 +8,7 @@ from model_data import TinyPairs
 from strict_skips import CUDA
 from torch import nn
 
-from features.resume import restore_training, training_state
+from infra.resume import restore_training, training_state
 from models.common import TrainConfig
 from models.huse import HUSEConfig
 from models.train import train

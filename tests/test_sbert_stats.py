@@ -6,22 +6,16 @@ import numpy as np
 import pytest
 
 from features.demo import DemoConfig, build_dataset
-from features.ingest import (
-    READERS,
-    Dataset,
-    PrepareConfig,
-    Record,
-    read_manifest,
-    validate,
-    write_manifest,
-)
-from features.sbert_stats import (
+from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
+from features.text.models import TextModelError, model_digest, resolve_model
+from features.text.sbert_stats import (
     SbertConfig,
     caption_statistics,
     pairwise_similarities,
     summarise,
 )
-from features.text_models import TextModelError, model_digest, resolve_model
 from flows.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Scene-graph rules (features/scenegraph.py): exact graphs on gold-annotated spaCy Docs,
+"""Scene-graph rules (features/scenegraph/): exact graphs on gold-annotated spaCy Docs,
 one per caption pattern and per defect of issue 14; the same defects on the real English
 model's parses; the regression set of real-style captions against recorded scores; the
 pipeline loader and the stage's core and writer."""
@@ -12,22 +12,21 @@ import spacy
 from spacy.tokens import Doc
 
 from features.demo import DemoConfig, generate_image
-from features.files import write_json
-from features.ingest import Manifest
-from features.scenegraph import (
+from features.ingest.manifest import Manifest
+from features.scenegraph.builder import SceneGraph
+from features.scenegraph.files import GRAPHS, NEGATIVES, write_scene_graphs
+from features.scenegraph.lexicon import normalise_case, verb_lemma
+from features.scenegraph.parser import Parser
+from features.scenegraph.stage import (
     ModelNotFound,
-    Parser,
-    SceneGraph,
     ScenegraphConfig,
     extract_scene_graphs,
     graph_scores,
     load_pipeline,
     negative_vocab,
-    normalise_case,
     resolve_model,
-    verb_lemma,
 )
-from features.scenegraph_files import GRAPHS, NEGATIVES, write_scene_graphs
+from infra.files import write_json
 
 DATA = Path(__file__).parent / "data"
 VOCAB = spacy.blank("en").vocab
@@ -723,7 +722,7 @@ def test_missing_model_is_one_clear_line():
 
 
 def test_official_package_is_preferred_then_the_packaged_copy(monkeypatch):
-    import features.scenegraph as sg
+    import features.scenegraph.stage as sg
 
     def installed(*names):
         monkeypatch.setattr(sg.importlib.util, "find_spec", lambda n: n in names or None)

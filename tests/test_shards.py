@@ -12,12 +12,16 @@ import torch
 from local_s3 import local_s3
 from store_data import make_stores
 
-from features.ingest import read_manifest
-from features.shards import ShardsConfig, build_shards, read_groups, read_sizes
-from features.store import FieldSpec, Provenance, Store, StoreError, StoreWriter
-from models.batches import Batches
+from features.ingest.manifest import read_manifest
+from features.shards.reader import read_groups, read_sizes
+from features.shards.writer import ShardsConfig, build_shards
+from features.store.reader import Store
+from features.store.spec import FieldSpec, Provenance, StoreError
+from features.store.writer import StoreWriter
 from models.common import TrainConfig
-from models.data import PairData, ShardData
+from models.data.batches import Batches
+from models.data.pairs import PairData
+from models.data.shards import ShardData
 from models.mvvse import MVVSEConfig
 from models.train import train
 
@@ -207,8 +211,8 @@ def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
     shards without the graphs in use are refused."""
     from dataclasses import replace
 
-    from features.scenegraph_files import GRAPHS, write_scene_graphs
-    from features.shards import file_digest, read_scene_graphs
+    from features.scenegraph.files import GRAPHS, write_scene_graphs
+    from features.shards.writer import file_digest, read_scene_graphs
 
     root, paths, manifest, _ = packed
     keys, texts, _ = manifest.caption_rows()

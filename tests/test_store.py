@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 import zarr
 
-from features.store import (
-    Provenance,
-    Store,
-    StoreConfig,
-    StoreError,
-    StoreWriter,
-    incomplete_path,
-    join_by_key,
-    ragged_fields,
-    regions_fields,
-    verify_store,
-)
+from features.store.integrity import verify_store
+from features.store.layout import incomplete_path
+from features.store.reader import Store, join_by_key
+from features.store.spec import Provenance, StoreConfig, StoreError, ragged_fields, regions_fields
+from features.store.writer import StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
@@ -309,7 +302,8 @@ def test_verify_names_any_damaged_byte_of_any_file(tmp_path, kind):
 def test_the_checksum_manifest_checks_itself_at_every_byte(tmp_path):
     """Whatever byte of the manifest changes (to any of a few values, whitespace
     included), and wherever it is cut, it no longer passes as a manifest."""
-    from features.store import CHECKSUMS_CHUNK, parse_checksums
+    from features.store.integrity import parse_checksums
+    from features.store.layout import CHECKSUMS_CHUNK
 
     job.run(tmp_path / "s.zarr", "regions", 10, 8)
     data = (tmp_path / "s.zarr" / CHECKSUMS_CHUNK).read_bytes()
@@ -410,7 +404,7 @@ def test_vectorised_gathers_equal_one_sample_at_a_time(tmp_path, monkeypatch, in
     samples), from memory or from the mapped shard files, and after pickling (workers)."""
     import pickle
 
-    import features.store as store_module
+    import features.store.reader as store_module
 
     if not in_memory:  # every array from its shard files
         monkeypatch.setattr(store_module, "IN_MEMORY_BYTES", 0)

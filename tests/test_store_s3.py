@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from features.store import Store
+from features.store.reader import Store
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,20 +9,14 @@ import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 from features.demo import DemoConfig, build_dataset
-from features.ingest import READERS, PrepareConfig, read_manifest, validate, write_manifest
-from features.store import Store, StoreConfig
-from features.text import (
-    BertTexts,
-    TextConfig,
-    build_vocab,
-    extract_text,
-    fit_tfidf,
-    tfidf_vector,
-    word_ids,
-    word_salience,
-    words,
-)
-from features.text_models import resolve_model
+from features.ingest.manifest import read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
+from features.store.reader import Store
+from features.store.spec import StoreConfig
+from features.text.models import resolve_model
+from features.text.stage import BertTexts, TextConfig, extract_text
+from features.text.vocab import build_vocab, fit_tfidf, tfidf_vector, word_ids, word_salience, words
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +118,7 @@ def test_extract_text_store(encoder, tmp_path):
 def test_captions_with_non_finite_features_are_stored_invalid_and_reported(
     encoder, tmp_path, monkeypatch
 ):
-    import features.text as text
+    import features.text.stage as text
 
     real = text.encode_in_length_order
 

@@ -16,28 +16,19 @@ from PIL import Image
 from torchvision.ops import batched_nms, box_iou, nms, roi_align
 
 from features.demo import DemoConfig, build_dataset
-from features.extract import extract_images, region_recall, report_bad_images
-from features.global_features import extract_global, fit_pca, project
-from features.ingest import (
-    READERS,
-    Dataset,
-    PrepareConfig,
-    Record,
-    read_manifest,
-    validate,
-    write_manifest,
-)
-from features.store import FieldSpec, Store, StoreConfig, incomplete_path
-from features.visual import (
-    GridExtractor,
-    RegionExtractor,
-    _max_conf_from,
-    build_detector,
-    build_trunk,
-    butd_select,
-    to_tensor,
-)
-from features.visual_config import GridConfig, RegionsConfig
+from features.detector.inputs import to_tensor
+from features.images.config import GridConfig, RegionsConfig
+from features.images.extract import extract_images, region_recall, report_bad_images
+from features.images.global_features import extract_global, fit_pca, project
+from features.images.grid import GridExtractor, build_trunk
+from features.images.regions import RegionExtractor, build_detector
+from features.images.select import _max_conf_from, butd_select
+from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+from features.ingest.readers import READERS, PrepareConfig
+from features.ingest.validate import validate
+from features.store.layout import incomplete_path
+from features.store.reader import Store
+from features.store.spec import FieldSpec, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_images import make_corpus  # noqa: E402
@@ -496,11 +487,11 @@ JOB = """
 import sys
 from pathlib import Path
 import torch
-from features.extract import extract_images, report_bad_images
-from features.ingest import read_manifest
-from features.store import StoreConfig
-from features.visual import GridExtractor, build_trunk
-from features.visual_config import GridConfig
+from features.images.extract import extract_images, report_bad_images
+from features.ingest.manifest import read_manifest
+from features.store.spec import StoreConfig
+from features.images.grid import GridExtractor, build_trunk
+from features.images.config import GridConfig
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 cfg = GridConfig(architecture="resnet50", image_size=64, grid=3, num_workers=0, batch_size=2)
 layout = StoreConfig(samples_per_shard=4, samples_per_chunk=2)

@@ -1,4 +1,4 @@
-"""Checkpoints as people have them (features/weights.py): each format made by torchvision's
+"""Checkpoints as people have them (features/detector/weights.py): each format made by torchvision's
 own constructors (random init, the real key layout), loaded by `grid` and `regions`."""
 
 import warnings
@@ -9,10 +9,11 @@ import torchvision
 from torch import nn
 from torchvision.models import detection
 
-from features.config import UserError
-from features.visual import build_detector, build_trunk
-from features.visual_config import GridConfig, RegionsConfig
-from features.weights import WeightsError, guess_resnet, weights_digest
+from features.detector.weights import WeightsError, guess_resnet, weights_digest
+from features.images.config import GridConfig, RegionsConfig
+from features.images.grid import build_trunk
+from features.images.regions import build_detector
+from infra.config import UserError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM")
 
@@ -196,8 +197,8 @@ def test_random_init_still_warns():
 def test_detectron2_pickle_weights_need_an_opt_in(tmp_path):
     """A detectron2 .pkl checkpoint is a pickle: refused before anything loads it, unless
     regions.allow_pickle_weights says its source is trusted."""
-    from features.detectron2_backend import build_detectron2_extractor
-    from features.visual_config import RegionsConfig
+    from features.images.config import RegionsConfig
+    from features.images.detectron2_backend import build_detectron2_extractor
 
     (tmp_path / "model.pkl").write_bytes(b"not loaded")
     cfg = RegionsConfig(

@@ -28,9 +28,9 @@ def evaluate_arguments(p) -> None:
 def run_evaluate(args, params) -> int:
     """The checkpoint's model on ``evaluate.split`` (standardised with the train statistics
     it was trained with): metrics JSON, and the gallery's data when asked."""
-    from features.device import resolve_device
-    from features.files import write_json
-    from models.data import PairData
+    from infra.device import resolve_device
+    from infra.files import write_json
+    from models.data.pairs import PairData
     from models.evaluate import embed, evaluate_model
     from models.registry import model_inputs
     from models.train import load_checkpoint
@@ -53,7 +53,7 @@ def run_evaluate(args, params) -> int:
     }
     write_json(Path(args.out), report)
     if args.gallery:
-        from models.gallery import gallery_data
+        from models.report.gallery import gallery_data
 
         gallery = gallery_data(model, data, *embeddings, device)
         write_json(Path(args.gallery), {"model": args.model, **gallery})

@@ -71,7 +71,7 @@ def table(shown: list[dict]) -> str:
 
 
 def run(args, params) -> int:
-    from features.config import UserError
+    from infra.config import UserError
 
     result = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
     if result.returncode:

@@ -18,9 +18,9 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.adversarial import adversarial_stage
-    from features.ingest import read_manifest
-    from features.text import load_bert_texts
+    from features.ingest.manifest import read_manifest
+    from features.scenegraph.adversarial import adversarial_stage
+    from features.text.stage import load_bert_texts
 
     cfg = params.adversarial
     encoder, weights = load_bert_texts(params.text)
@@ -55,6 +55,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("adversarial", "text", "store"),
-        owns={"adversarial": "features.adversarial:AdversarialConfig"},
+        owns={"adversarial": "features.scenegraph.adversarial:AdversarialConfig"},
     )
 ]

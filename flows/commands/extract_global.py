@@ -17,8 +17,8 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.global_features import extract_global
-    from features.ingest import read_manifest
+    from features.images.global_features import extract_global
+    from features.ingest.manifest import read_manifest
 
     manifest = read_manifest(Path(args.manifest))
     store = extract_global(
@@ -40,6 +40,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("global", "store"),
-        owns={"global": "features.global_features:GlobalConfig"},
+        owns={"global": "features.images.global_features:GlobalConfig"},
     )
 ]

@@ -42,7 +42,7 @@ def arguments(p) -> None:
 
 def dask_settings(args) -> tuple[int, str | None]:
     """Workers and address from the flags, else from the environment."""
-    from features.config import UserError
+    from infra.config import UserError
 
     workers = args.dask_workers
     if workers is None:
@@ -59,13 +59,13 @@ def dask_settings(args) -> tuple[int, str | None]:
 
 
 def run(args, params) -> int:
-    from features.extract import (
+    from features.images.extract import (
         build_image_extractor,
         extract_images,
         region_recall,
         report_bad_images,
     )
-    from features.ingest import read_manifest
+    from features.ingest.manifest import read_manifest
 
     stage = args.stage
     cfg = getattr(params, stage)
@@ -117,7 +117,7 @@ COMMANDS = [
         arguments=lambda p, stage=stage: (arguments(p), p.set_defaults(stage=stage)),
         run=run,
         sections=(stage, "store"),
-        owns={stage: f"features.visual_config:{stage.capitalize()}Config"},
+        owns={stage: f"features.images.config:{stage.capitalize()}Config"},
     )
     for stage, text in (
         ("regions", "Faster R-CNN region features, bottom-up-attention style (params: regions)"),

@@ -20,10 +20,10 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.files import write_json
-    from features.ingest import read_manifest
-    from features.scenegraph import extract_scene_graphs, load_pipeline
-    from features.scenegraph_files import write_scene_graphs
+    from features.ingest.manifest import read_manifest
+    from features.scenegraph.files import write_scene_graphs
+    from features.scenegraph.stage import extract_scene_graphs, load_pipeline
+    from infra.files import write_json
 
     cfg = params.scenegraph
     manifest = read_manifest(Path(args.manifest))
@@ -57,6 +57,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("scenegraph",),
-        owns={"scenegraph": "features.scenegraph:ScenegraphConfig"},
+        owns={"scenegraph": "features.scenegraph.stage:ScenegraphConfig"},
     )
 ]

@@ -16,8 +16,8 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.ingest import read_manifest
-    from features.text import extract_text, load_bert_texts
+    from features.ingest.manifest import read_manifest
+    from features.text.stage import extract_text, load_bert_texts
 
     cfg = params.text
     manifest = read_manifest(Path(args.manifest))
@@ -52,6 +52,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("text", "store"),
-        owns={"text": "features.text:TextConfig"},
+        owns={"text": "features.text.stage:TextConfig"},
     )
 ]

@@ -16,7 +16,7 @@ def parse_overrides(items: list[str]) -> dict:
     (``bert-base-uncased``); a malformed item is a one-line error."""
     import json
 
-    from features.config import UserError
+    from infra.config import UserError
 
     overrides = {}
     for item in items:
@@ -60,7 +60,7 @@ def flow_arguments(p) -> None:
 
 
 def run_flow(args, params) -> int:
-    from features.config import UserError
+    from infra.config import UserError
 
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.deploy import TRAINING_FLOWS

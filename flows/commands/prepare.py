@@ -21,7 +21,7 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.ingest import prepare
+    from features.ingest.prepare import prepare
 
     prepare(
         Path(args.annotations),
@@ -44,6 +44,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("prepare",),
-        owns={"prepare": "features.ingest:PrepareConfig"},
+        owns={"prepare": "features.ingest.readers:PrepareConfig"},
     )
 ]

@@ -24,11 +24,11 @@ def report_arguments(p) -> None:
 
 
 def run_report(args, params) -> int:
-    from models.report import write_report
+    from models.report.table import write_report
 
     histories = [Path(h) for h in args.histories or []]
     if histories and not args.curves:
-        from features.config import UserError
+        from infra.config import UserError
 
         raise UserError("--histories needs --curves PNG, where the training curves go")
     curves = Path(args.curves) if args.curves else None
@@ -39,8 +39,8 @@ def run_report(args, params) -> int:
     )
     print(f"report -> {args.out}, {args.plot}" + (f", {curves}" if curves else ""))
     if args.galleries:
-        from features.config import UserError
-        from models.report import write_galleries
+        from infra.config import UserError
+        from models.report.table import write_galleries
 
         needed = ("manifest", "images", "gallery_html", "gallery_pngs")
         missing = [f"--{n.replace('_', '-')}" for n in needed if not getattr(args, n)]

@@ -16,7 +16,7 @@ from flows.commands import Command, path_in, path_out, progress
 
 
 def _named_paths(items: list[str], option: str) -> dict[str, str]:
-    from features.store import StoreError
+    from features.store.spec import StoreError
 
     named = {}
     for item in items:
@@ -50,10 +50,10 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.ingest import read_manifest
-    from features.scenegraph_files import GRAPHS
-    from features.shards import build_shards, file_digest, read_scene_graphs
-    from features.store import Store
+    from features.ingest.manifest import read_manifest
+    from features.scenegraph.files import GRAPHS
+    from features.shards.writer import build_shards, file_digest, read_scene_graphs
+    from features.store.reader import Store
     from flows.commands.store import _storage_options
 
     manifest = read_manifest(Path(args.manifest))
@@ -99,6 +99,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("shards",),
-        owns={"shards": "features.shards:ShardsConfig"},
+        owns={"shards": "features.shards.writer:ShardsConfig"},
     )
 ]

@@ -17,8 +17,8 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features.ingest import read_manifest
-    from features.sbert_stats import caption_statistics, sbert_encoder, write_statistics
+    from features.ingest.manifest import read_manifest
+    from features.text.sbert_stats import caption_statistics, sbert_encoder, write_statistics
 
     cfg = params.sbert
     manifest = read_manifest(Path(args.manifest))
@@ -43,6 +43,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("sbert",),
-        owns={"sbert": "features.sbert_stats:SbertConfig"},
+        owns={"sbert": "features.text.sbert_stats:SbertConfig"},
     )
 ]

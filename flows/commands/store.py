@@ -12,7 +12,7 @@ from flows.commands import Command, path_in, path_out, progress
 
 
 def _storage_options(args) -> dict | None:
-    from features.store import StoreError
+    from features.store.spec import StoreError
 
     if not args.storage_options:
         return None
@@ -35,7 +35,8 @@ def _url_arguments(p) -> None:
 def run_ls(args, params) -> int:
     """Every store under the folder; a damaged one is listed as such (exit 1), the others
     still are."""
-    from features.store import Store, StoreError, find_stores
+    from features.store.reader import Store, find_stores
+    from features.store.spec import StoreError
 
     rows, damaged = [], []
     for path in find_stores(args.root):
@@ -74,7 +75,7 @@ def run_ls(args, params) -> int:
 
 
 def run_info(args, params) -> int:
-    from features.store import Store
+    from features.store.reader import Store
 
     store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
     info = store.describe()
@@ -85,7 +86,8 @@ def run_info(args, params) -> int:
 
 
 def run_verify(args, params) -> int:
-    from features.store import Store, verify_store
+    from features.store.integrity import verify_store
+    from features.store.reader import Store
 
     problems = verify_store(args.url, _storage_options(args))
     for problem in problems:
@@ -115,7 +117,7 @@ def precomp_arguments(p) -> None:
 
 
 def run_import_precomp(args, params) -> int:
-    from features.precomp import import_precomp
+    from features.exchange.precomp import import_precomp
 
     manifest = import_precomp(
         Path(args.folder),
@@ -142,8 +144,8 @@ def tsv_arguments(p) -> None:
 
 
 def run_import_tsv(args, params) -> int:
-    from features.ingest import read_manifest
-    from features.precomp import import_butd_tsv
+    from features.exchange.butd_tsv import import_butd_tsv
+    from features.ingest.manifest import read_manifest
 
     manifest = read_manifest(Path(args.manifest))
     missing = import_butd_tsv(
@@ -172,9 +174,9 @@ def export_arguments(p) -> None:
 
 
 def run_export_precomp(args, params) -> int:
-    from features.ingest import read_manifest
-    from features.precomp import export_precomp
-    from features.store import Store
+    from features.exchange.precomp import export_precomp
+    from features.ingest.manifest import read_manifest
+    from features.store.reader import Store
 
     manifest = read_manifest(Path(args.manifest))
     store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
@@ -192,7 +194,7 @@ COMMANDS = [
         ),
         run=run_ls,
         sections=None,
-        owns={"store": "features.store:StoreConfig"},
+        owns={"store": "features.store.spec:StoreConfig"},
     ),
     Command(
         "store info",

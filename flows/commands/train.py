@@ -26,7 +26,7 @@ def feature_arguments(p) -> None:
 
 
 def feature_paths(args):
-    from models.data import FeaturePaths
+    from models.data.info import FeaturePaths
 
     def path(value):
         return Path(value) if value else None

@@ -31,9 +31,10 @@ def arguments(p) -> None:
 
 
 def run(args, params) -> int:
-    from features import detection_data as dd
-    from features.detector_train import plot_ap, train_detector, write_metrics
-    from features.ingest import read_manifest
+    from features.detector import data as dd
+    from features.detector.metrics import plot_ap, write_metrics
+    from features.detector.train import train_detector
+    from features.ingest.manifest import read_manifest
 
     cfg = params.detector
     images = Path(args.images)
@@ -79,6 +80,6 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("detector",),
-        owns={"detector": "features.visual_config:DetectorConfig"},
+        owns={"detector": "features.detector.config:DetectorConfig"},
     )
 ]

@@ -1,0 +1,1 @@
+"""The bottom-up detector: model, weights people have, training data, training and metrics."""

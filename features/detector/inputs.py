@@ -1,0 +1,43 @@
+"""Images as the detector takes them: normalised tensors, resized (shorter side, capped
+longer side) and batched to a size divisible by 32."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.models.detection.image_list import ImageList
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
+
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> normalised (3, H, W) float tensor."""
+    array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    return (array - mean) / std
+
+
+def resize_for_detection(image: Image.Image, min_side: int, max_side: int):
+    """Shorter side to ``min_side`` unless the longer would pass ``max_side``."""
+    w, h = image.size
+    scale = min(min_side / min(w, h), max_side / max(w, h))
+    size = (max(round(w * scale), 1), max(round(h * scale), 1))
+    return image.resize(size, Image.BILINEAR), scale
+
+
+def batch_images(tensors: Sequence[torch.Tensor], divisible: int = 32) -> ImageList:
+    """Zero-pad (3, H, W) tensors to one batch (sizes rounded up to ``divisible``)."""
+    h = max(t.shape[1] for t in tensors)
+    w = max(t.shape[2] for t in tensors)
+    h, w = -(-h // divisible) * divisible, -(-w // divisible) * divisible
+    batch = tensors[0].new_zeros((len(tensors), 3, h, w))
+    for i, t in enumerate(tensors):
+        batch[i, :, : t.shape[1], : t.shape[2]] = t
+    return ImageList(batch, [tuple(t.shape[1:]) for t in tensors])

@@ -1,0 +1,218 @@
+"""Checkpoints as people have them: where ``weights`` params point, what a file holds, and
+how it maps onto the project's trunks and detectors.
+
+A ``weights`` param is a local file, or a torchvision weights entry such as
+``torchvision:ResNet152_Weights.IMAGENET1K_V2``, which resolves to the file torchvision
+would download into the local torch hub cache (``torch.hub.get_dir()/checkpoints/<name
+from the entry's url>``); nothing is ever downloaded. Files are read with
+``weights_only=True``. Recognised contents:
+
+- ``classification``: a torchvision ResNet state dict (``conv1.weight``, ``layer1.0...``,
+  ``fc.*``; the classifier is ignored);
+- ``detection``: a torchvision Faster R-CNN state dict (``backbone.body.*``, ``rpn.*``,
+  ``roi_heads.*``), e.g. ``fasterrcnn_resnet50_fpn(_v2)``, or the project's C4 layout;
+- ``vse-detector``: the project's detector checkpoint (:mod:`features.detector`);
+- a dict holding a state dict under ``model`` or ``state_dict`` (training checkpoints).
+
+A file that does not fit is reported in one line: the param, the architecture and a
+summary of the keys (counts per prefix and a few examples).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infra.config import UserError
+
+TORCHVISION_PREFIX = "torchvision:"
+# torchvision BatchNorm buffers that FrozenBatchNorm2d checkpoints (the published
+# detection weights) do not have; a module without them keeps its own (unused in eval).
+OPTIONAL_SUFFIXES = ("num_batches_tracked",)
+
+
+class WeightsError(UserError):
+    """A ``weights`` param names a file that is missing or does not fit."""
+
+
+def resolve_weights(spec: str, param: str) -> Path:
+    """The local file a ``weights`` param names (a path, or a torchvision entry in the hub
+    cache); a missing file is a one-line error that says where to put it."""
+    if spec.startswith(TORCHVISION_PREFIX):
+        import torchvision
+
+        name = spec[len(TORCHVISION_PREFIX) :]
+        try:
+            entry = torchvision.models.get_weight(name)
+        except (ValueError, KeyError, AttributeError):
+            raise WeightsError(
+                f"{param}: {spec!r} is not a torchvision weights entry (e.g. "
+                "torchvision:ResNet152_Weights.IMAGENET1K_V2)"
+            ) from None
+        file = Path(torch.hub.get_dir()) / "checkpoints" / Path(entry.url).name
+        if not file.is_file():
+            raise WeightsError(
+                f"{param}: {spec} is not in the local torch hub cache; nothing is downloaded "
+                f"here: fetch {entry.url} elsewhere and put it at {file}"
+            )
+        return file
+    file = Path(spec)
+    if not file.is_file():
+        raise WeightsError(
+            f"{param}: {spec}: no such file; give a local checkpoint path or a "
+            "torchvision:<Weights.ENTRY> in the local hub cache (nothing is downloaded), or "
+            "weights: null for random initialisation"
+        )
+    return file
+
+
+def weights_digest(spec: str | None, seed: int, param: str = "weights") -> str:
+    """SHA-256 of the checkpoint file, or a distinct tag for random initialisation."""
+    if spec is None:
+        return f"random-init-seed-{seed}"
+    h = hashlib.sha256()
+    with open(resolve_weights(spec, param), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_checkpoint(spec: str, param: str) -> dict:
+    """The file's content (``weights_only=True``): a ``vse-detector`` checkpoint as it is,
+    otherwise the state dict (unwrapped from ``model`` / ``state_dict``)."""
+    file = resolve_weights(spec, param)
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise WeightsError(
+            f"{param}: {spec}: not a weights-only PyTorch checkpoint ({first[:200]})"
+        ) from None
+    if isinstance(obj, dict) and obj.get("format") == "vse-detector":
+        return obj
+    for key in ("model", "state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise WeightsError(f"{param}: {spec}: holds no state dict (a mapping of tensors)")
+    return obj
+
+
+def checkpoint_kind(obj: dict) -> str:
+    """``vse-detector``, ``detection``, ``classification`` or ``unknown``."""
+    if obj.get("format") == "vse-detector":
+        return "vse-detector"
+    keys = list(obj)
+    if any(k.startswith("backbone.body.") for k in keys):
+        return "detection"
+    if any(k.startswith("layer1.") for k in keys) and "conv1.weight" in obj:
+        return "classification"
+    return "unknown"
+
+
+RESNET_BLOCKS = {  # (blocks per stage, bottleneck) -> depth
+    ((2, 2, 2, 2), False): 18,
+    ((3, 4, 6, 3), False): 34,
+    ((3, 4, 6, 3), True): 50,
+    ((3, 4, 23, 3), True): 101,
+    ((3, 8, 36, 3), True): 152,
+}
+
+
+def guess_resnet(keys: Iterable[str], prefix: str = "") -> str | None:
+    """``resnet50`` etc. from the block counts of a ResNet's keys under ``prefix``."""
+    blocks = {k: set() for k in range(1, 5)}
+    bottleneck = False
+    for key in keys:
+        if not key.startswith(prefix + "layer"):
+            continue
+        parts = key[len(prefix) :].split(".")
+        if len(parts) > 2 and parts[0][5:].isdigit() and parts[1].isdigit():
+            stage = int(parts[0][5:])
+            if stage in blocks:
+                blocks[stage].add(int(parts[1]))
+                bottleneck |= parts[2] == "conv3"
+    counts = tuple(len(blocks[k]) for k in range(1, 5))
+    depth = RESNET_BLOCKS.get((counts, bottleneck))
+    if depth is None and counts[:3] != (0, 0, 0):
+        return f"a ResNet with {counts} blocks per stage"
+    return f"resnet{depth}" if depth else None
+
+
+def describe(obj: dict) -> str:
+    """What a checkpoint looks like, for error messages."""
+    kind = checkpoint_kind(obj)
+    if kind == "vse-detector":
+        return f"a vse-detector checkpoint ({obj['config']['architecture']})"
+    if kind == "classification":
+        return f"a {guess_resnet(obj) or 'ResNet'} classification state dict"
+    if kind == "detection":
+        trunk = guess_resnet(obj, "backbone.body.") or "ResNet"
+        if any(k.startswith("backbone.fpn.") for k in obj):
+            v2 = "_v2" if any(k.startswith("rpn.head.conv.1.") for k in obj) else ""
+            return f"a {trunk} FPN{v2} detection state dict"
+        return f"a {trunk} detection state dict"
+    return "a state dict of an unknown layout"
+
+
+def _prefix_counts(keys: list[str], depth: int = 1) -> str:
+    counts = Counter(".".join(k.split(".")[:depth]) + ".*" for k in keys)
+    return ", ".join(f"{p} {n}" for p, n in counts.most_common(4))
+
+
+def key_summary(missing: list[str], unexpected: list[str]) -> str:
+    """``N missing (prefix counts; e.g. ...), M unexpected (...)`` in one line."""
+    parts = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            parts.append(
+                f"{len(keys)} {what} keys ({_prefix_counts(keys)}; e.g. {', '.join(keys[:2])})"
+            )
+    return ", ".join(parts) or "no key differences"
+
+
+def load_exact(module: nn.Module, state: dict, param: str, what: str, obj_desc: str) -> None:
+    """Load ``state`` into ``module``: every key must match (BatchNorm's
+    ``num_batches_tracked`` may be absent), or one line says what differs."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith(OPTIONAL_SUFFIXES)]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or shapes:
+        detail = key_summary(missing, unexpected)
+        if shapes:
+            detail += f"; {len(shapes)} shape mismatches (e.g. {shapes[0]})"
+        raise WeightsError(f"{param}: {obj_desc} does not fit {what}: {detail}")
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def trunk_state(obj: dict, param: str) -> dict:
+    """The ResNet trunk's weights (torchvision classification names, no ``fc``) of any
+    recognised checkpoint: classification, detection (``backbone.body.*`` plus a C4
+    ``roi_heads.box_head.layer4.*``) or vse-detector."""
+    kind = checkpoint_kind(obj)
+    state = obj["state_dict"] if kind == "vse-detector" else obj
+    if kind == "classification":
+        return {k: v for k, v in state.items() if not k.startswith("fc.")}
+    if kind in ("detection", "vse-detector"):
+        out = {}
+        for k, v in state.items():
+            if k.startswith("backbone.body."):
+                out[k[len("backbone.body.") :]] = v
+            elif k.startswith("roi_heads.box_head.layer4."):
+                out[k[len("roi_heads.box_head.") :]] = v
+        return out
+    raise WeightsError(
+        f"{param}: {describe(obj)} (e.g. keys {', '.join(list(obj)[:3])}); expected a "
+        "torchvision ResNet classification or detection state dict, or a vse-detector "
+        "checkpoint"
+    )

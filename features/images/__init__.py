@@ -1,0 +1,1 @@
+"""Image features: the regions, grid and global stages."""

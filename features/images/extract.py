@@ -1,0 +1,327 @@
+"""Image feature extraction: reader -> mapper -> writer.
+
+- reader: DataLoader workers decode each image (:func:`features.images.load_image`) and
+  run the extractor's ``prepare`` (resize, normalise), overlapped with inference;
+- mapper: the extractor, batched, on the device;
+- writer: the feature store, one shard at a time; a bad image, or one whose features hold
+  NaN or infinite values (as stored: float16 overflows count), gets an empty record
+  (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
+
+Only pending shards are read: a rerun after a crash continues where the last committed
+shard ended. With ``shards=``, only those shards are extracted, by a shard writer: how
+several processes (Dask workers, see :mod:`flows.distributed`) fill one store together.
+Shards are written by a background thread while the next batches run. Each phase is timed
+as what it adds to the wall time: read = waiting for decoded batches, infer = the forward
+passes, write = waiting for a shard write to finish.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from features.decode import MAX_ASPECT_RATIO, BadImage, load_image
+from features.detector.weights import weights_digest
+from features.images.config import ExtractConfig
+from features.images.extractor import EXTRACTOR_VERSION
+from features.ingest.manifest import Manifest
+from features.store.reader import Store
+from features.store.spec import FieldSpec, Provenance, StoreConfig
+from features.store.writer import StoreWriter
+from infra.device import resolve_device
+from infra.finite import NON_FINITE, nonfinite_fields
+
+
+class Extractor(Protocol):
+    kind: str
+    name: str
+    device: torch.device
+
+    def fields(self) -> dict[str, FieldSpec]: ...
+    def prepare(self, image, row: dict) -> dict[str, Any]: ...
+    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]: ...
+    def empty(self) -> dict[str, np.ndarray]: ...
+    def provenance_params(self) -> dict: ...
+
+
+class ImageItems(Dataset):
+    """Manifest rows -> prepared items, or the reason an image could not be used."""
+
+    def __init__(
+        self,
+        rows: list[dict],
+        indices: list[int],
+        images_root: Path,
+        prepare,
+        max_pixels: int,
+        max_aspect_ratio: float = MAX_ASPECT_RATIO,
+    ):
+        self.rows, self.indices = rows, indices
+        self.images_root, self.prepare, self.max_pixels = images_root, prepare, max_pixels
+        self.max_aspect_ratio = max_aspect_ratio
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        try:
+            image = load_image(
+                self.images_root / row["path"], self.max_pixels, self.max_aspect_ratio
+            )
+            item = self.prepare(image, row)
+            item["error"] = None
+        except BadImage as err:
+            item = {"error": (err.reason, err.detail)}
+        item["index"] = self.indices[i]
+        return item
+
+
+def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
+    """The extractor of image stage ``kind`` ("regions" or "grid") from its params."""
+    from features.images.grid import GridExtractor, build_trunk
+    from features.images.regions import RegionExtractor, build_detector
+
+    device = resolve_device(cfg.device)
+    if kind == "grid":
+        return GridExtractor(build_trunk(cfg), cfg, device)
+    if cfg.backend == "detectron2":
+        from features.images.detectron2_backend import build_detectron2_extractor
+
+        return build_detectron2_extractor(cfg, device)
+    return RegionExtractor(build_detector(cfg), cfg, device)
+
+
+def keep_list(items: list[dict]) -> list[dict]:
+    """DataLoader collate: images differ in size, the extractor batches them itself."""
+    return items
+
+
+@dataclass
+class Timing:
+    read: float = 0.0
+    infer: float = 0.0
+    write: float = 0.0
+    images: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.images / max(self.seconds, 1e-9)
+        return (
+            f"{self.images} images in {self.seconds:.1f} s ({rate:.1f} img/s); read "
+            f"{self.read:.1f} s, infer {self.infer:.1f} s, write {self.write:.1f} s"
+        )
+
+
+def image_store_writer(
+    extractor: Extractor,
+    manifest: Manifest,
+    store_path: Path,
+    cfg: ExtractConfig,
+    store_cfg: StoreConfig,
+    log: Callable[[str], None] = print,
+    shards: Sequence[int] | None = None,
+) -> StoreWriter:
+    """The (unopened) writer of an image store: the extractor's fields plus ``valid``, and
+    the provenance that fingerprints it. A coordinator opens it whole to create or
+    finalize the store; with ``shards`` it is a shard writer of those shards only."""
+    fields = {**extractor.fields(), "valid": FieldSpec((), "uint8")}
+    provenance = Provenance(
+        extractor.name,
+        EXTRACTOR_VERSION,
+        extractor.provenance_params(),
+        weights_digest(cfg.weights, cfg.seed, f"{extractor.kind}.weights"),
+        manifest.digest,
+    )
+    keys = manifest.table["key"].to_pylist()
+    return StoreWriter(
+        store_path, extractor.kind, fields, keys, provenance, store_cfg, log=log, shards=shards
+    )
+
+
+def extract_images(
+    extractor: Extractor,
+    manifest: Manifest,
+    images_root: Path,
+    store_path: Path,
+    cfg: ExtractConfig,
+    store_cfg: StoreConfig,
+    log: Callable[[str], None] = print,
+    progress: Callable | None = None,
+    shards: Sequence[int] | None = None,
+) -> Timing:
+    """Fill the store at ``store_path`` with the extractor's features for every manifest
+    image (resuming a partial store); returns the per-phase timing.
+
+    With ``shards``, extract only those shards of a store that a coordinator created
+    (:func:`image_store_writer`), as one of several concurrent shard writers; the store is
+    finalized by the coordinator once every shard is committed.
+    """
+    rows = manifest.table.to_pylist()
+    timing = Timing()
+    start_all = time.perf_counter()
+    writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)
+    fields = writer.fields
+    with writer:
+        pending = writer.pending_shards()
+        order = [i for shard in pending for i in range(*writer.shard_range(shard))]
+        loader = DataLoader(
+            ImageItems(
+                [rows[i] for i in order],
+                order,
+                images_root,
+                extractor.prepare,
+                cfg.max_pixels,
+                cfg.max_aspect_ratio,
+            ),
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            collate_fn=keep_list,
+            pin_memory=extractor.device.type == "cuda",
+        )
+        done: dict[int, dict] = {}
+        notes: dict[str, list[str]] = {}
+        bar = progress(total=len(order)) if progress else None
+        batches = iter(loader)
+        # shards are written by one background thread (in order), overlapped with inference
+        writes = ThreadPoolExecutor(max_workers=1)
+        last_write: Future | None = None
+        while True:
+            tick = time.perf_counter()
+            batch = next(batches, None)
+            timing.read += time.perf_counter() - tick
+            if batch is None:
+                break
+            good = [item for item in batch if item["error"] is None]
+            tick = time.perf_counter()
+            results = extractor(good) if good else []
+            timing.infer += time.perf_counter() - tick
+            dtypes = {name: spec.dtype for name, spec in fields.items()}
+            for item, result in zip(good, results, strict=True):
+                bad = nonfinite_fields(result, dtypes)
+                if bad:  # stored empty and reported, like a bad image
+                    fields_list = ", ".join(bad)
+                    item["error"] = (NON_FINITE, f"{fields_list}: NaN or infinite values")
+                    continue
+                done[item["index"]] = {**result, "valid": np.uint8(1)}
+            for item in batch:
+                if item["error"] is not None:
+                    done[item["index"]] = {**extractor.empty(), "valid": np.uint8(0)}
+                    notes[rows[item["index"]]["key"]] = list(item["error"])
+            while pending and all(i in done for i in range(*writer.shard_range(pending[0]))):
+                shard = pending.pop(0)
+                lo, hi = writer.shard_range(shard)
+                records = [done.pop(i) for i in range(lo, hi)]
+                data = {name: np.stack([r[name] for r in records]) for name in fields}
+                keys = {rows[i]["key"] for i in range(lo, hi)}
+                shard_notes = {k: v for k, v in notes.items() if k in keys}
+                last_write = _wait(last_write, timing)
+                last_write = writes.submit(writer.write_shard, shard, data, shard_notes)
+            timing.images += len(batch)
+            if bar is not None:
+                bar.update(len(batch))
+        _wait(last_write, timing)
+        writes.shutdown()
+        if bar is not None:
+            bar.close()
+    timing.seconds = time.perf_counter() - start_all
+    return timing
+
+
+def _wait(write: Future | None, timing: Timing) -> None:
+    """Wait for the previous shard write (re-raising its error); time spent waiting is
+    what writing costs on top of inference."""
+    if write is not None:
+        tick = time.perf_counter()
+        write.result()
+        timing.write += time.perf_counter() - tick
+
+
+def report_bad_images(
+    store_path: Path,
+    errors: Path,
+    metrics: Path,
+    max_error_fraction: float,
+    extra: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """The errors CSV and metrics JSON of an image stage, from the notes the store's
+    shards keep (so a resumed run reports every bad image); too many fail the stage.
+    ``extra`` joins the metrics (e.g. :func:`region_recall`). The metrics hold counts
+    only: DVC hashes them, so nothing depends on run time."""
+    from features.ingest.manifest import IngestError
+    from features.ingest.validate import Report, write_errors
+    from infra.files import write_json
+
+    store = Store.open(store_path)
+    n = len(store)
+    report = Report(records_read=n, records_kept=n)
+    for key, (reason, detail) in sorted(store.notes().items()):
+        report.error(key, reason, detail)
+    write_errors(report, errors)
+    counts: dict[str, int] = {}
+    for issue in report.errors:
+        counts[issue.reason] = counts.get(issue.reason, 0) + 1
+    summary = {
+        "images": n,
+        "bad_images": len(report.errors),
+        "error_fraction": round(report.error_fraction, 6),
+        "counts": counts,
+        **(extra or {}),
+    }
+    write_json(metrics, summary)
+    listing = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
+    log(f"extract: bad images: {listing} (report: {errors})")
+    if report.error_fraction > max_error_fraction:
+        raise IngestError(
+            f"{len(report.errors)} of {n} images ({report.error_fraction:.2%}) could not be "
+            f"used, more than max_error_fraction = {max_error_fraction:.2%}; see {errors}"
+        )
+    return summary
+
+
+def region_recall(store_path: Path, manifest: Manifest, iou: float = 0.5) -> dict | None:
+    """How well a regions store covers the manifest's ground-truth boxes, or ``None`` when
+    the manifest has none: per split and overall, the share of ground-truth boxes that a
+    kept region overlaps with IoU >= ``iou`` (``gt_recall``) and the mean number of kept
+    regions per image (``regions_per_image``), over the images extracted (``valid``)."""
+    from torchvision.ops import box_iou
+
+    truth = manifest.table["boxes"].to_pylist()
+    if not any(truth):
+        return None
+    store = Store.open(store_path, kind="regions", manifest_digest=manifest.digest)
+    data = store.read(0, len(store), ["boxes", "n_regions", "valid"])
+    splits = manifest.table["split"].to_pylist()
+    counts: dict[str, list[int]] = {}  # split -> [images, regions, gt boxes, gt found]
+    for i, gt in enumerate(truth):
+        if not data["valid"][i]:
+            continue
+        n = int(data["n_regions"][i])
+        found = 0
+        if gt and n:
+            overlaps = box_iou(torch.tensor(gt), torch.from_numpy(data["boxes"][i, :n]))
+            found = int((overlaps.max(dim=1).values >= iou).sum())
+        for key in (splits[i], "all"):
+            c = counts.setdefault(key, [0, 0, 0, 0])
+            c[0] += 1
+            c[1] += n
+            c[2] += len(gt or [])
+            c[3] += found
+    return {
+        split: {
+            "images": c[0],
+            "regions_per_image": round(c[1] / max(c[0], 1), 4),
+            "gt_boxes": c[2],
+            "gt_recall": round(c[3] / max(c[2], 1), 4),
+        }
+        for split, c in sorted(counts.items())
+    }

@@ -1,0 +1,109 @@
+"""The grid stage's extractor: ResNet conv5 average-pooled to a grid (7x7) and over the whole
+map (UniVSE's grid features; the pooled vector feeds ``global``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from features.decode import centre_crop_resize
+from features.detector.inputs import to_tensor
+from features.detector.model import (
+    ResNetTrunk,
+    resnet_depth,
+)
+from features.detector.weights import (
+    checkpoint_kind,
+    describe,
+    load_exact,
+    read_checkpoint,
+    trunk_state,
+)
+from features.images.config import GridConfig
+from features.images.extractor import (
+    DEFAULT_TRUNK,
+    _autocast,
+    _conflict,
+    _warn_random,
+    feature_params,
+    zeros,
+)
+from features.store.spec import FieldSpec
+
+
+def build_trunk(cfg: GridConfig) -> ResNetTrunk:
+    """The grid/global trunk: a ResNet to conv5 (layer4), weights from ``grid.weights``.
+
+    Takes torchvision ResNet classification state dicts (``fc.*`` ignored), the trunk of
+    torchvision detection state dicts and of ``vse-detector`` checkpoints (its
+    architecture then comes from the checkpoint). ``.architecture`` says which ResNet.
+    """
+    param = "grid.weights"
+    torch.manual_seed(cfg.seed)
+    arch = cfg.architecture
+    obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
+    if obj is not None and checkpoint_kind(obj) == "vse-detector":
+        found = f"resnet{resnet_depth(obj['config']['architecture'])}"
+        _conflict("grid.architecture", arch, found, f"{cfg.weights} (a vse-detector checkpoint)")
+        arch = found
+    arch = arch or DEFAULT_TRUNK
+    trunk = ResNetTrunk(resnet_depth(arch))
+    trunk.architecture = arch
+    if obj is None:
+        _warn_random("grid", cfg.seed)
+    else:
+        source = f"{cfg.weights} ({describe(obj)})"
+        load_exact(trunk, trunk_state(obj, param), param, f"the grid trunk ({arch})", source)
+    return trunk.eval()
+
+
+class GridExtractor:
+    """conv5 map adaptively average-pooled to ``grid x grid`` (UniVSE), and the map's mean
+    over all positions (the global pooled feature of VSE++)."""
+
+    kind = "grid"
+
+    def __init__(self, model: nn.Module, cfg: GridConfig, device: torch.device):
+        self.model = model.to(device)
+        self.cfg = cfg
+        self.device = device
+        self.dim = model.dim
+
+    @property
+    def name(self) -> str:
+        return f"grid-{getattr(self.model, 'architecture', self.cfg.architecture)}"
+
+    def fields(self) -> dict[str, FieldSpec]:
+        g = self.cfg.grid
+        return {
+            "features": FieldSpec((g, g, self.dim), "float16"),
+            "pooled": FieldSpec((self.dim,), "float32"),
+            "image_hw": FieldSpec((2,), "int32"),
+        }
+
+    def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
+        w, h = image.size
+        return {"image": to_tensor(centre_crop_resize(image, self.cfg.image_size)), "hw": (h, w)}
+
+    @torch.no_grad()
+    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+        batch = torch.stack([it["image"] for it in items]).to(self.device, non_blocking=True)
+        with _autocast(self.device):
+            conv5 = self.model(batch).float()  # (B, 2048, h, w)
+        grid = F.adaptive_avg_pool2d(conv5, self.cfg.grid).permute(0, 2, 3, 1).cpu().numpy()
+        pooled = conv5.mean(dim=(2, 3)).cpu().numpy()
+        return [
+            {"features": g, "pooled": p, "image_hw": np.asarray(it["hw"], dtype=np.int32)}
+            for g, p, it in zip(grid, pooled, items, strict=True)
+        ]
+
+    def empty(self) -> dict[str, np.ndarray]:
+        return zeros(self.fields())
+
+    def provenance_params(self) -> dict:
+        return feature_params(self.cfg)

@@ -1,0 +1,181 @@
+"""Readers of raw datasets (Karpathy JSON for Flickr30K and COCO, UPMC Food-101 CSVs, the
+demo): each turns annotations into records, before validation."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import posixpath
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from features.ingest.manifest import SPLITS, Dataset, IngestError, Record
+from features.ingest.validate import _is_utf8
+from infra.config import Section, Seed
+
+
+class PrepareConfig(Section):
+    """``prepare`` section of params.yaml."""
+
+    format: Literal["demo", "karpathy", "food101"] = "demo"
+    captions_per_image: int = Field(5, ge=1)
+    restval: Literal["train", "keep"] = "train"
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    seed: Seed = 0
+    max_error_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    # image paths that resolve (through symlinks) outside the images root and DVC's cache
+    allow_symlinks_outside: bool = False
+
+
+def _read_text(path: Path) -> str:
+    """Read a text file as UTF-8; undecodable bytes survive as surrogates to be reported."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="surrogateescape")
+    except OSError as err:
+        raise IngestError(f"{path}: cannot read annotations ({err.strerror or err})") from err
+
+
+def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """Karpathy split JSON, plus the optional ``label``/``boxes``/``box_names``/
+    ``box_attributes`` of datasets with boxes."""
+    try:
+        data = json.loads(_read_text(annotations))
+    except json.JSONDecodeError as err:
+        raise IngestError(f"{annotations}: not valid JSON ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+        raise IngestError(
+            f"{annotations}: no top-level 'images' list; expected the Karpathy split JSON "
+            "layout of dataset_flickr30k.json / dataset_coco.json"
+        )
+    class_names = data.get("class_names")
+    if class_names is not None and not (
+        isinstance(class_names, list)
+        and all(isinstance(c, str) and _is_utf8(c) for c in class_names)
+    ):
+        raise IngestError(
+            f"{annotations}: 'class_names' must be a list of strings, got "
+            f"{type(class_names).__name__}; fix or remove it"
+        )
+    records = []
+    for i, image in enumerate(data["images"]):
+        filename = image.get("filename") if isinstance(image, dict) else None
+        if not isinstance(filename, str) or not filename:
+            records.append(Record(f"<images[{i}]>", "", "", problem="no 'filename'"))
+            continue
+        sentences = image.get("sentences", [])
+        if not isinstance(sentences, list) or not all(isinstance(s, dict) for s in sentences):
+            records.append(Record(Path(filename).stem, filename, "", problem="bad 'sentences'"))
+            continue
+        filepath = image.get("filepath") or ""
+        if not isinstance(filepath, str):
+            records.append(Record(Path(filename).stem, filename, "", problem="bad 'filepath'"))
+            continue
+        split = str(image.get("split", ""))
+        if split == "restval" and cfg.restval == "train":
+            split = "train"
+        records.append(
+            Record(
+                key=Path(filename).stem,
+                path=posixpath.join(filepath, filename),
+                split=split,
+                captions=[s.get("raw", "") for s in sentences],
+                label=image.get("label"),
+                boxes=image.get("boxes"),
+                box_names=image.get("box_names"),
+                box_attributes=image.get("box_attributes"),
+            )
+        )
+    name = str(data.get("dataset", "karpathy"))
+    return Dataset(name if _is_utf8(name) else "karpathy", records, class_names)
+
+
+def _held_out(key: str, fraction: float, seed: int) -> bool:
+    """Deterministic, order-independent choice of the val part of a train split."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def read_food101(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """UPMC Food-101: ``annotations`` is one texts CSV or a folder of ``{split}*.csv``."""
+    csv_files = sorted(annotations.glob("*.csv")) if annotations.is_dir() else [annotations]
+    if not csv_files:
+        raise IngestError(f"{annotations}: no *.csv texts files (expected train_titles.csv ...)")
+    rows = []
+    for csv_file in csv_files:
+        split = next((s for s in SPLITS if csv_file.name.startswith(s)), None)
+        if split is None:
+            raise IngestError(
+                f"{csv_file}: cannot tell its split; name texts files train*.csv, val*.csv "
+                "or test*.csv"
+            )
+        split_dir = (images_root / split).is_dir()
+        try:
+            rows += _food101_rows(csv_file, split, split_dir, cfg)
+        except OSError as err:
+            raise IngestError(f"{csv_file}: cannot read ({err.strerror or err})") from None
+    class_names = sorted({r.label for r in rows if r.problem is None})
+    for r in rows:
+        if r.problem is None:
+            r.label = class_names.index(r.label)
+    return Dataset("food101", rows, class_names)
+
+
+def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfig) -> list:
+    """The records of one Food-101 texts CSV (``image name, text, class``)."""
+    rows = []
+    with open(csv_file, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            for row in reader:
+                line_no = reader.line_num
+                if line_no == 1 and row and row[0].strip().lower() in ("image name", "image_name"):
+                    continue  # header
+                if len(row) < 3:
+                    key = f"<{csv_file.name}:{line_no}>"
+                    rows.append(Record(key, "", split, problem="expected 3 columns"))
+                    continue
+                name, text, label = row[0].strip(), row[1], row[2].strip()
+                key = Path(name).stem
+                if not (_is_utf8(name) and _is_utf8(label)) or not label:
+                    problem = f"line {line_no}: image name or class is empty or not UTF-8"
+                    rows.append(Record(f"<{csv_file.name}:{line_no}>", "", split, problem=problem))
+                    continue
+                path = posixpath.join(split if split_dir else "", label, name)
+                if split == "train" and _held_out(key, cfg.val_fraction, cfg.seed):
+                    split_of_row = "val"
+                else:
+                    split_of_row = split
+                rows.append(Record(key, path, split_of_row, [text], label=label))
+        except csv.Error as err:
+            raise IngestError(
+                f"{csv_file}:{reader.line_num}: not readable as CSV ({err})"
+            ) from None
+    return rows
+
+
+def read_demo(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """The demo's Karpathy JSON; each box's attributes are its object's colour and size."""
+    dataset = read_karpathy(annotations, images_root, cfg)
+    objects = {}
+    data = json.loads(_read_text(annotations))
+    for image in data["images"]:
+        if isinstance(image, dict) and isinstance(image.get("filename"), str):
+            objects[Path(image["filename"]).stem] = image.get("objects")
+    for record in dataset.records:
+        described = objects.get(record.key)
+        if record.problem is None and isinstance(described, list) and record.box_attributes is None:
+            record.box_attributes = [
+                [o.get("color"), o.get("size")] if isinstance(o, dict) else None for o in described
+            ]
+    return dataset
+
+
+READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
+    "karpathy": read_karpathy,
+    "demo": read_demo,
+    "food101": read_food101,
+}

@@ -1,0 +1,219 @@
+"""Text-domain adversarial captions (UniVSE 4.2, following VSE-C): for each real caption,
+fake captions that no longer match the image, made by editing its scene graph.
+
+- object attack: replace an object noun by one that appears in none of the image's
+  captions (or append such an object when the caption has none);
+- attribute attack: replace an attribute by one the image's captions never use (or add
+  one before an object noun);
+- relation attack: replace the relation by one the image's captions never use (or attach
+  a new relation and object to an object).
+
+Each fake caption keeps a scene graph edited the same way, so models that read scene
+graphs (UniVSE) see a consistent input. Vocabularies are the train split's
+(``negative_vocab.json``); choices are seeded per caption key, so the set is reproducible.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from infra.config import Section, Seed
+
+ATTACKS = ("object", "attribute", "relation")
+
+
+class AdversarialConfig(Section):
+    """``adversarial`` section of params.yaml."""
+
+    per_caption: int = Field(5, ge=1)  # fake captions per real caption and attack (paper: 5)
+    splits: list[str] = ["val", "test"]
+    seed: Seed = 0
+    max_tries: int = Field(50, ge=1)
+
+
+def _replace_word(text: str, old: str, new: str) -> str | None:
+    """``text`` with the first whole-word ``old`` replaced; None if it does not occur."""
+    pattern = re.compile(rf"\b{re.escape(old)}\b", re.IGNORECASE)
+    out, n = pattern.subn(new, text, count=1)
+    return out if n else None
+
+
+def _image_concepts(graphs: Sequence[dict]) -> dict[str, set[str]]:
+    """Everything the image's captions mention: lemmas of objects, attributes, relations."""
+    out = {"nouns": set(), "adjectives": set(), "relations": set()}
+    for g in graphs:
+        out["nouns"].update(o["lemma"] for o in g["objects"])
+        out["nouns"].update(o["head"] for o in g["objects"])
+        out["adjectives"].update(a["lemma"] for a in g["attributes"])
+        out["relations"].update(r["lemma"] for r in g["relations"])
+    return out
+
+
+def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str, dict] | None:
+    """One fake caption and its scene graph, or None when this try found no edit."""
+    graph = {k: copy.deepcopy(row[k]) for k in ("objects", "attributes", "relations")}
+    text = row["caption"]
+
+    def pick(pool: str) -> str | None:
+        options = [w for w in vocab[pool] if w not in concepts[pool]]
+        return options[rng.integers(len(options))] if options else None
+
+    if kind == "object":
+        noun = pick("nouns")
+        if noun is None:
+            return None
+        if graph["objects"]:
+            i = int(rng.integers(len(graph["objects"])))
+            old = graph["objects"][i]
+            # the whole name of a compound ("fire hydrant"), else its head word
+            text = _replace_word(text, old["span"], noun) or _replace_word(text, old["head"], noun)
+            graph["objects"][i] = {"span": noun, "head": noun, "lemma": noun}
+        else:
+            text = f"{text} and a {noun}"
+            graph["objects"].append({"span": noun, "head": noun, "lemma": noun})
+    elif kind == "attribute":
+        adjective = pick("adjectives")
+        if adjective is None or not graph["objects"]:
+            return None
+        if graph["attributes"]:
+            i = int(rng.integers(len(graph["attributes"])))
+            text = _replace_word(text, graph["attributes"][i]["attribute"], adjective)
+            graph["attributes"][i].update(attribute=adjective, lemma=adjective)
+        else:
+            o = int(rng.integers(len(graph["objects"])))
+            span, head = graph["objects"][o]["span"], graph["objects"][o]["head"]
+            # before the whole name: "a green fire hydrant", not "a fire green hydrant"
+            text = _replace_word(text, span, f"{adjective} {span}") or _replace_word(
+                text, head, f"{adjective} {head}"
+            )
+            graph["attributes"].append({"object": o, "attribute": adjective, "lemma": adjective})
+    else:
+        relation = pick("relations")
+        if relation is None or not graph["objects"]:
+            return None
+        # relations written as one phrase in the caption ("sitting on", not "sitting alone
+        # on" nor a possessive's "have") can be replaced; otherwise one is attached
+        replaceable = [
+            i
+            for i, r in enumerate(graph["relations"])
+            if _replace_word(text, r["relation"], relation) is not None
+        ]
+        if replaceable:
+            i = replaceable[int(rng.integers(len(replaceable)))]
+            text = _replace_word(text, graph["relations"][i]["relation"], relation)
+            graph["relations"][i].update(relation=relation, lemma=relation)
+        else:
+            noun = pick("nouns")
+            if noun is None:
+                return None
+            s = int(rng.integers(len(graph["objects"])))
+            text = f"{text} {relation} a {noun}"
+            graph["objects"].append({"span": noun, "head": noun, "lemma": noun})
+            graph["relations"].append(
+                {
+                    "subject": s,
+                    "relation": relation,
+                    "lemma": relation,
+                    "object": len(graph["objects"]) - 1,
+                }
+            )
+    if text is None or text == row["caption"]:
+        return None
+    return text, graph
+
+
+def adversarial_captions(
+    rows: Sequence[dict], image_keys: Sequence[str], vocab: dict, cfg: AdversarialConfig
+) -> list[dict]:
+    """Fake captions for each scene-graph row (``rows[i]`` describes a caption of image
+    ``image_keys[i]``): up to ``per_caption`` distinct ones per attack, keyed
+    ``<caption key>~<attack>~<j>``."""
+    by_image: dict[str, list[dict]] = defaultdict(list)
+    for row, image in zip(rows, image_keys, strict=True):
+        by_image[image].append(row)
+    vocab = {k: list(v) for k, v in vocab.items()}
+    out = []
+    for row, image in zip(rows, image_keys, strict=True):
+        concepts = _image_concepts(by_image[image])
+        seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}:{row['key']}".encode()).digest()[:8])
+        rng = np.random.default_rng(seed)
+        for kind in ATTACKS:
+            made: set[str] = set()
+            for _ in range(cfg.max_tries):
+                if len(made) == cfg.per_caption:
+                    break
+                fake = _attack(kind, row, concepts, vocab, rng)
+                if fake is None or fake[0] in made:
+                    continue
+                made.add(fake[0])
+                out.append(
+                    {
+                        "key": f"{row['key']}~{kind}~{len(made) - 1}",
+                        "source": row["key"],
+                        "image": image,
+                        "attack": kind,
+                        "caption": fake[0],
+                        **fake[1],
+                    }
+                )
+    return out
+
+
+def adversarial_stage(
+    manifest,
+    scene_graphs: Path,
+    vocab: Path,
+    cfg: AdversarialConfig,
+    encoder,
+    text_cfg,
+    weights: str,
+    captions_out: Path,
+    store_out: Path,
+    store_cfg,
+    progress=None,
+) -> dict[str, int]:
+    """Stage ``adversarial``: the fake captions of every caption of ``cfg.splits`` (a
+    parquet), made from the scene graphs and negative vocabularies of the folder
+    ``scene_graphs``, and their text features (a caption-level store encoded like the ``text``
+    stage's, with its train vocabularies). Returns the count per attack."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from features.scenegraph.files import read_graph_rows, read_negatives
+    from features.text.stage import write_text_store
+    from infra.files import atomic_path
+
+    table = manifest.table.to_pylist()
+    image_of = {f"{r['key']}#{i}": r["key"] for r in table for i in range(len(r["captions"]))}
+    split_of = {r["key"]: r["split"] for r in table}
+    graphs = read_graph_rows(scene_graphs)
+    rows = [g for g in graphs if split_of.get(image_of.get(g["key"])) in cfg.splits]
+    fakes = adversarial_captions(
+        rows, [image_of[g["key"]] for g in rows], read_negatives(scene_graphs), cfg
+    )
+    with atomic_path(captions_out) as tmp:
+        pq.write_table(pa.Table.from_pylist(fakes), tmp)
+    write_text_store(
+        [f["key"] for f in fakes],
+        [f["caption"] for f in fakes],
+        json.loads(vocab.read_text()),
+        encoder,
+        text_cfg,
+        weights,
+        manifest.digest,
+        store_out,
+        store_cfg,
+        kind="adversarial",
+        progress=progress,
+    )
+    return {a: sum(f["attack"] == a for f in fakes) for a in ATTACKS}

@@ -1,0 +1,448 @@
+"""The rules that turn a (repaired) dependency parse into a scene graph: objects, attribute
+-object pairs and relation triples, with the conventions of :mod:`features.scenegraph`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from features.scenegraph.lexicon import (
+    COLLECTIVE_NOUNS,
+    COLOURS,
+    FRAME_NOUNS,
+    LEXICAL_COMPOUNDS,
+    NAME_DEPS,
+    NOUNS,
+    OBJECT_DEPS,
+    PHRASE_WORDS,
+    PLACING_VERBS,
+    PREPOSITION_DEPS,
+    QUANTIFIERS,
+    QUANTITY_NOUNS,
+    RELATIONAL_NOUNS,
+    RELATIVE_PRONOUNS,
+    SPECIAL_NOUNS,
+    SUBJECT_PREPOSITIONS,
+    VERBS,
+)
+
+
+@dataclass
+class SceneGraph:
+    objects: list[dict] = field(default_factory=list)  # {"span", "head", "lemma"}
+    attributes: list[dict] = field(default_factory=list)  # {"object", "attribute", "lemma"}
+    relations: list[dict] = field(
+        default_factory=list
+    )  # {"subject", "relation", "lemma", "object"}
+
+    def lemma_tuples(self) -> tuple[set, set, set]:
+        """The graph as SPICE-style tuples of lemmas, for evaluation."""
+        name = [o["lemma"] for o in self.objects]
+        return (
+            set(name),
+            {(name[a["object"]], a["lemma"]) for a in self.attributes},
+            {(name[r["subject"]], r["lemma"], name[r["object"]]) for r in self.relations},
+        )
+
+    def to_json(self) -> dict:
+        return {"objects": self.objects, "attributes": self.attributes, "relations": self.relations}
+
+
+class _Tok:
+    """A token of the parse, editable by the repairs (a spaCy Doc is not)."""
+
+    __slots__ = ("i", "text", "lemma", "pos", "tag", "dep", "head", "children", "kids")
+
+    def __init__(self, i, text, lemma, pos, tag, dep, head):
+        self.i, self.text, self.lemma, self.pos, self.tag = i, text, lemma, pos, tag
+        self.dep, self.head = dep, head
+        self.children: list[_Tok] = []  # filled once the repairs are done
+        self.kids: dict[str, list[_Tok]] = {}  # the children by dependency label
+
+    def __repr__(self) -> str:  # for debugging rules
+        return f"{self.text}/{self.pos}/{self.dep}/{self.head}/{self.lemma}"
+
+
+class _Builder:
+    """The rules over one repaired parse."""
+
+    def __init__(self, toks: list[_Tok]):
+        self.toks = toks
+        self.graph = SceneGraph()
+        self.index: dict[int, int] = {}  # token -> object
+        self.name_words: dict[int, list[int]] = {}  # object token -> words of its name
+        self.seen: set[tuple] = set()  # relations and attributes already added
+        self.subjects: dict[int, list[int]] = {}  # verb token -> its subjects
+
+    def build(self) -> SceneGraph:
+        toks, objects = self.toks, self.graph.objects
+        for t in toks:
+            if t.pos in NOUNS and self._is_object(t):
+                words = self._name(t) if t.kids else [t.i]
+                self.index[t.i] = len(objects)
+                self.name_words[t.i] = words
+                objects.append(
+                    {
+                        "span": " ".join(toks[w].text for w in words),
+                        "head": t.text,
+                        "lemma": " ".join(
+                            toks[w].lemma if toks[w].pos in NOUNS else toks[w].text for w in words
+                        ),
+                    }
+                )
+        for t in toks:
+            if t.i in self.index:
+                if t.kids:
+                    self._attributes(t)
+            elif t.lemma == "be" and "acomp" in t.kids and t.pos in VERBS:
+                self._copula_attributes(t)
+        for t in toks:
+            dep = t.dep
+            if dep in PREPOSITION_DEPS and "pobj" in t.kids:
+                if dep in ("prep", "agent") or t.pos == "ADP":
+                    self._prepositional(t)
+            if t.pos in VERBS:
+                if t.lemma != "be" and not OBJECT_DEPS.isdisjoint(t.kids):
+                    self._verb_object(t)
+            if "poss" in t.kids and t.i in self.index:
+                for owner in t.kids["poss"]:
+                    if owner.i in self.index:
+                        self._add(owner.i, [], t.i, fixed=("have", "have"))
+        return self.graph
+
+    # -- helpers
+
+    @staticmethod
+    def _children(t: _Tok, *deps: str) -> list[_Tok]:
+        """Children of ``t`` with one of the labels ``deps``, in sentence order."""
+        if len(deps) == 1:
+            return t.kids.get(deps[0], [])
+        found = [c for d in deps for c in t.kids.get(d, ())]
+        return sorted(found, key=lambda c: c.i) if len(found) > 1 else found
+
+    def _conjuncts(self, t: _Tok) -> list[_Tok]:
+        """The token and every token conjoined with it (a chain: A, B and C; the parser
+        often makes B an apposition of A in such lists of nouns)."""
+        if "conj" not in t.kids and "appos" not in t.kids:
+            return [t]
+        out, todo = [], [t]
+        while todo:
+            x = todo.pop()
+            out.append(x)
+            todo.extend(self._children(x, *self._coordination(x)))
+        return sorted(out, key=lambda x: x.i)
+
+    @staticmethod
+    def _coordination(t: _Tok) -> tuple[str, ...]:
+        return ("conj", "appos") if t.pos in NOUNS else ("conj",)
+
+    def _group(self, t: _Tok) -> list[_Tok]:
+        """All conjuncts of the coordination ``t`` belongs to."""
+        first = t
+        while first.dep in self._coordination(first) and first.head != first.i:
+            first = self.toks[first.head]
+        return self._conjuncts(first)
+
+    def _distribute(self, noun: _Tok, modifier: _Tok, deps: tuple[str, ...]) -> list[_Tok]:
+        """Nouns a modifier (preposition, participle) of ``noun`` applies to: all the
+        conjuncts when it follows the last one and no other conjunct has its own."""
+        group = self._group(noun)
+        if len(group) > 1 and modifier.i > group[-1].i:
+            if not any(self._children(g, *deps) for g in group if g is not noun):
+                return group
+        return [noun]
+
+    def _of(self, t: _Tok) -> _Tok | None:
+        """The "of" a frame or quantity noun takes ("a picture of", "a close up of")."""
+        for c in self._children(t, "prep"):
+            if c.text == "of":
+                return c
+        if t.text == "close":  # "a close up of ...": close <- up <- of
+            for up in self.toks[t.i + 1 : t.i + 2]:
+                if up.text == "up" and up.head == t.i:
+                    return next((c for c in self._children(up, "prep") if c.text == "of"), None)
+        return None
+
+    def _is_frame(self, t: _Tok) -> bool:
+        if t.lemma in FRAME_NOUNS or t.text == "close":
+            return t.dep in ("ROOT", "attr") and self._of(t) is not None
+        return False
+
+    def _is_quantity(self, t: _Tok) -> bool:
+        return t.text in QUANTITY_NOUNS and self._of(t) is not None
+
+    def _is_relational(self, t: _Tok) -> bool:
+        """A noun of a phrasal preposition: "front" in "in front of", "left" in "to the left of"."""
+        return (
+            t.text in RELATIONAL_NOUNS
+            and t.dep == "pobj"
+            and any(c.text == "of" for c in self._children(t, "prep"))
+        )
+
+    def _is_name_modifier(self, t: _Tok) -> bool:
+        head = self.toks[t.head]
+        if head.i == t.i or head.pos not in NOUNS or t.i > head.i:
+            return False
+        if t.dep in ("compound", "amod", "nmod") and t.pos in NOUNS:  # also "living room"
+            return t.text not in COLOURS
+        return self._lexical(t)
+
+    def _lexical(self, t: _Tok) -> bool:
+        """An adjective that is part of the name: "hot" in "hot dog"."""
+        if t.i + 1 >= len(self.toks) or t.dep not in ("amod", "compound", "nmod"):
+            return False
+        nxt = self.toks[t.i + 1]
+        return (t.text, nxt.lemma) in LEXICAL_COMPOUNDS or (t.text, nxt.text) in LEXICAL_COMPOUNDS
+
+    def _is_object(self, t: _Tok) -> bool:
+        if t.pos not in NOUNS:
+            return False
+        dep = t.dep
+        if dep in NAME_DEPS and t.head > t.i:
+            if self._is_name_modifier(t) or t.text in COLOURS:
+                return False  # "fire" of "fire hydrant"; "orange" of "an orange rhombus"
+        elif dep == "conj" and self.toks[t.head].pos == "ADJ":
+            return False  # "small and crimson"
+        elif dep == "npadvmod" and self.toks[t.head].pos in ("ADJ", "VERB"):  # "snow covered"
+            return False
+        text = t.text
+        if text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
+            return not (self._is_relational(t) or self._is_frame(t) or self._is_quantity(t))
+        return True
+
+    def _name(self, t: _Tok) -> list[int]:
+        """The head noun and its noun modifiers, recursively ("video game controller")."""
+        words, todo = [t.i], [t]
+        while todo:
+            x = todo.pop()
+            for c in x.children:
+                if c.i < x.i and c.dep in NAME_DEPS and self._is_name_modifier(c):
+                    words.append(c.i)
+                    todo.append(c)
+        return sorted(words)
+
+    def _entities(self, t: _Tok, members: bool = False) -> list[int]:
+        """Objects a token stands for: itself; the noun of a relative pronoun; what a frame
+        or quantity noun holds ("a couple of people"); with ``members``, what a collective
+        noun holds ("a group of people" standing)."""
+        if t.i in self.index:
+            if members and t.lemma in COLLECTIVE_NOUNS:
+                inner = self._of_objects(t)
+                if inner:
+                    return inner
+            return [t.i]
+        head = self.toks[t.head]
+        if (
+            t.text in RELATIVE_PRONOUNS
+            and head.dep == "relcl"
+            and t.i < head.i
+            and head.head != head.i
+        ):
+            nouns = self._distribute(self.toks[head.head], head, ("acl", "relcl"))
+            return [e for n in nouns for e in self._entities(n, members)]
+        if t.pos in NOUNS or t.text == "close":
+            if self._is_frame(t) or self._is_quantity(t):
+                return self._of_objects(t, members)
+        return []
+
+    def _of_objects(self, t: _Tok, members: bool = False) -> list[int]:
+        of = self._of(t)
+        if of is None:
+            return []
+        return [
+            e
+            for p in self._children(of, "pobj")
+            for c in self._conjuncts(p)
+            for e in self._entities(c, members)
+        ]
+
+    # -- attributes
+
+    def _add_attribute(self, obj_token: int, adjective: _Tok) -> None:
+        if adjective.pos in ("PRON", "DET", "ADP", "PUNCT"):
+            return
+        if adjective.pos in NOUNS and adjective.text not in COLOURS:
+            return
+        if adjective.text in QUANTIFIERS or self._lexical(adjective):
+            return
+        if adjective.text in PHRASE_WORDS and self._children(adjective, "prep"):
+            return  # "next" of "next to"
+        participle = adjective.pos == "VERB" or adjective.tag in ("VBN", "VBG", "VBD")
+        plain = participle or adjective.pos == "NUM"
+        key = (self.index[obj_token], adjective.text, adjective.text if plain else adjective.lemma)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.graph.attributes.append({"object": key[0], "attribute": key[1], "lemma": key[2]})
+
+    def _attributes(self, noun: _Tok) -> None:
+        for w in self.name_words[noun.i]:
+            for m in self.toks[w].children:
+                adjectival = m.dep in ("amod", "nummod") or (
+                    m.dep in ("compound", "nmod")
+                    and (m.pos in ("ADJ", "X", "NUM") or m.text in COLOURS)
+                )
+                if adjectival and not self._is_name_modifier(m):
+                    for a in self._conjuncts(m):
+                        self._add_attribute(noun.i, a)
+                        # stacked adjectives parsed as modifying each other: "small purple"
+                        for b in self._children(a, "amod", "advmod"):
+                            if b.pos == "ADJ" and b.i < a.i:
+                                self._add_attribute(noun.i, b)
+
+    def _copula_attributes(self, be: _Tok) -> None:
+        """Complements of a copula: "the cat is black (and white)", "a dog that is brown"."""
+        complements = self._children(be, "acomp")
+        if not complements:
+            return
+        for s in self._subjects(be):
+            for c in complements:
+                for a in self._conjuncts(c):
+                    self._add_attribute(s, a)
+
+    # -- relations
+
+    def _subjects(self, verb: _Tok) -> list[int]:
+        """Objects that do ``verb`` (for a passive, undergo it): explicit subjects, or
+        "there is X", or the noun a participle / relative clause describes, or the subject
+        of the verb this one is conjoined with or subordinate to."""
+        found = self.subjects.get(verb.i)
+        if found is None:
+            found = self.subjects[verb.i] = self._find_subjects(verb)
+        return found
+
+    def _find_subjects(self, verb: _Tok) -> list[int]:
+        found = self._children(verb, "nsubj", "csubj") or self._children(verb, "nsubjpass")
+        if found:
+            nouns = [c for s in found for c in self._conjuncts(s)]
+        elif self._children(verb, "expl"):
+            nouns = [c for s in self._children(verb, "attr") for c in self._conjuncts(s)]
+        elif verb.dep in ("acl", "relcl") and verb.head != verb.i:
+            return [
+                e
+                for n in self._distribute(self.toks[verb.head], verb, ("acl", "relcl"))
+                for e in self._entities(n, members=True)
+            ]
+        elif verb.dep in ("conj", "advcl", "xcomp") and verb.head != verb.i:
+            head = self.toks[verb.head]
+            return self._subjects(head) if head.pos in VERBS else []
+        else:
+            return []
+        return [e for n in nouns for e in self._entities(n, members=True)]
+
+    def _particles(self, verb: _Tok) -> list[_Tok]:
+        return [p for p in self._children(verb, "prt") if not self._children(p, "pobj")]
+
+    def _verb_object(self, verb: _Tok) -> None:
+        objects = [
+            e
+            for o in self._children(verb, *OBJECT_DEPS)
+            for c in self._conjuncts(o)
+            for e in self._entities(c)
+        ]
+        if not objects or self._children(verb, "nsubjpass"):
+            return
+        words = [verb, *self._particles(verb)]
+        for s in self._subjects(verb):
+            for o in objects:
+                self._add(s, words, o)
+
+    def _prepositional(self, prep: _Tok) -> None:
+        toks = self.toks
+        words = [prep]
+        anchor = toks[prep.head]
+        # chained and phrasal prepositions: "out of", "get off of", "next to", "away from"
+        while anchor.head != anchor.i and not self._children(anchor, "pobj"):
+            if anchor.text == "close" and self._is_frame(anchor):
+                break
+            if anchor.pos == "ADP" or anchor.text in PHRASE_WORDS:
+                words.insert(0, anchor)
+                anchor = toks[anchor.head]
+            else:
+                break
+        if prep.text == "of" and (
+            self._is_relational(anchor) or self._is_frame(anchor) or self._is_quantity(anchor)
+        ):
+            return  # the outer preposition builds "in front of"; frames relate nothing
+        targets: list[tuple[list[_Tok], int]] = []
+        for pobj in self._children(prep, "pobj"):
+            for target in self._conjuncts(pobj):
+                if self._is_relational(target):
+                    # "in front of the house", "to the left of a square"
+                    of = next(c for c in self._children(target, "prep") if c.text == "of")
+                    phrase = [*words, *self._children(target, "det"), target, of]
+                    targets += [
+                        (phrase, e)
+                        for p in self._children(of, "pobj")
+                        for c in self._conjuncts(p)
+                        for e in self._entities(c)
+                    ]
+                else:
+                    targets += [(words, e) for e in self._entities(target)]
+        if not targets:
+            return
+        if anchor.pos in VERBS:
+            self._verb_prepositional(anchor, prep, words, targets)
+        elif anchor.pos in NOUNS or self._entities(anchor):
+            members = prep.text != "of"
+            subjects = [
+                e
+                for n in self._distribute(anchor, words[0], ("prep",))
+                for e in self._entities(n, members)
+            ]
+            for s in subjects:
+                for phrase, o in targets:
+                    self._add(s, phrase, o)
+
+    def _verb_prepositional(self, verb: _Tok, prep: _Tok, words, targets) -> None:
+        if prep.dep == "agent":  # passive: "played by a woman", "a field surrounded by trees"
+            patients = self._subjects(verb)
+            for _phrase, agent in targets:
+                for patient in patients:
+                    self._add(agent, [verb], patient)
+            return
+        subjects = self._subjects(verb)
+        verb_words: list[_Tok] = []
+        if verb.lemma != "be":
+            particles = self._particles(verb)
+            between = range(verb.i + 1, words[0].i)
+            allowed = {p.i for p in particles} | {
+                c.i for c in self._children(verb, "advmod", "neg") if c.pos in ("ADV", "PART")
+            }
+            if verb.i < words[0].i and all(i in allowed for i in between):
+                verb_words = [verb, *particles]
+            elif words[0].text not in SUBJECT_PREPOSITIONS:
+                objects = [
+                    e
+                    for o in self._children(verb, "dobj", "obj")
+                    for c in self._conjuncts(o)
+                    for e in self._entities(c)
+                ]
+                owned = any(
+                    c.pos == "PRON"
+                    for p in self._children(prep, "pobj")
+                    for c in self._children(p, "poss")
+                )
+                if objects and (verb.lemma in PLACING_VERBS or owned):
+                    subjects = objects  # "put a pizza into the oven", "a phone in his hand"
+        for s in subjects:
+            for phrase, o in targets:
+                self._add(s, [*verb_words, *phrase], o)
+
+    def _add(
+        self, subj: int, words: list[_Tok], obj: int, fixed: tuple[str, str] | None = None
+    ) -> None:
+        """Relation (subject, words, object) between two objects; ``fixed``: a predicate
+        (surface, lemma) not taken from the words ("have" of a possessive)."""
+        if subj == obj or subj not in self.index or obj not in self.index:
+            return  # pronouns and other non-objects take no part
+        if fixed is not None:
+            surface, lemma = fixed
+        else:
+            words = sorted(set(words), key=lambda w: w.i)
+            surface = " ".join(w.text for w in words)
+            lemma = " ".join(w.lemma if w.pos in VERBS else w.text for w in words)
+        key = (self.index[subj], surface, lemma, self.index[obj])
+        if key not in self.seen:
+            self.seen.add(key)
+            self.graph.relations.append(
+                {"subject": key[0], "relation": surface, "lemma": lemma, "object": key[3]}
+            )

@@ -1,0 +1,89 @@
+"""The scene-graph folder that stage ``scenegraph`` writes and UniVSE, the adversarial
+stage and the WebDataset shards read::
+
+    scenegraphs/
+      graphs.parquet    one row per caption: key, caption, objects, attributes, relations
+      negatives.json    UniVSE's negative-sampling vocabularies from train captions:
+                        {"nouns" | "adjectives" | "relations": {lemma: count}}
+
+Apart from the parser's rules (:mod:`features.scenegraph`), so that code reading graphs
+does not depend on how they are made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from infra.config import UserError
+from infra.files import atomic_path, write_json
+
+GRAPHS, NEGATIVES = "graphs.parquet", "negatives.json"
+
+
+def schema():
+    """The columns of ``graphs.parquet`` (fixed, so an empty or odd batch of rows writes
+    the same schema)."""
+    import pyarrow as pa
+
+    s, i = pa.string(), pa.int64()
+
+    def records(**fields):
+        return pa.list_(pa.struct(list(fields.items())))
+
+    return pa.schema(
+        [
+            ("key", s),
+            ("caption", s),
+            ("objects", records(span=s, head=s, lemma=s)),
+            ("attributes", records(object=i, attribute=s, lemma=s)),
+            ("relations", records(subject=i, relation=s, lemma=s, object=i)),
+        ]
+    )
+
+
+def write_scene_graphs(folder: str | Path, rows: list[dict], negatives: dict) -> None:
+    """Write the folder atomically: it appears whole or not at all; the same rows give the
+    same bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with atomic_path(folder, directory=True) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp / GRAPHS)
+        write_json(tmp / NEGATIVES, negatives, indent=1)
+
+
+def _file(folder: str | Path, name: str) -> Path:
+    path = Path(folder) / name
+    if not path.is_file():
+        raise UserError(
+            f"{path}: missing; {folder} is not a scene-graph folder (run `dvc repro scenegraph`)"
+        )
+    return path
+
+
+def read_graph_rows(folder: str | Path) -> list[dict]:
+    """Every row of ``graphs.parquet``, in caption order."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(_file(folder, GRAPHS)).to_pylist()
+
+
+def read_graphs(folder: str | Path, keys: list[str]) -> list[dict]:
+    """The graphs (objects, attributes, relations) of the captions ``keys``, in order."""
+    import pyarrow.parquet as pq
+
+    path = _file(folder, GRAPHS)
+    table = pq.read_table(path, columns=["key", "objects", "attributes", "relations"])
+    by_key = {row["key"]: row for row in table.to_pylist()}
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise UserError(
+            f"{path}: no scene graph for {len(missing)} captions (first: {missing[0]}); "
+            "rerun `dvc repro scenegraph`"
+        )
+    return [by_key[k] for k in keys]
+
+
+def read_negatives(folder: str | Path) -> dict[str, dict[str, int]]:
+    return json.loads(_file(folder, NEGATIVES).read_text())

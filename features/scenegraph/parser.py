@@ -1,0 +1,154 @@
+"""The spaCy side of the scene-graph parser: the parse of a caption, repaired where spaCy's
+small English model errs systematically on captions, then handed to the rules."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection
+
+from features.scenegraph.builder import SceneGraph, _Builder, _Tok
+from features.scenegraph.lexicon import ING_NOUNS, NOUNS, VERBS, _participle_lemma, verb_lemma
+
+_PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipeline -> Parser
+
+
+class Parser:
+    """Builds one :class:`SceneGraph` per spaCy ``Doc``.
+
+    ``verbs``/``nouns``: the lemmatizer's word indexes (:meth:`for_pipeline`), used by the
+    lemma guard and the repairs; without them those checks trust the parse.
+    """
+
+    def __init__(self, verbs: Collection[str] | None = None, nouns: Collection[str] | None = None):
+        self.verbs = frozenset(verbs) if verbs is not None else None
+        self.nouns = frozenset(nouns) if nouns is not None else None
+
+    @classmethod
+    def for_pipeline(cls, nlp) -> Parser:
+        """A parser with the verb and noun indexes of ``nlp``'s rule lemmatizer, if any
+        (built once per pipeline: the indexes hold some 66k words)."""
+        parser = _PARSERS.get(nlp)
+        if parser is None:
+            parser = cls()
+            if "lemmatizer" in nlp.pipe_names:
+                lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
+                if lookups is not None and lookups.has_table("lemma_index"):
+                    index = lookups.get_table("lemma_index")
+                    parser = cls(index.get("verb", []), index.get("noun", []))
+            _PARSERS[nlp] = parser
+        return parser
+
+    def __call__(self, doc) -> SceneGraph:
+        toks = []
+        for t in doc:
+            lemma = (t.lemma_ or t.text).lower()
+            if t.pos_ in VERBS:
+                lemma = verb_lemma(t.text, lemma, self.verbs)
+            toks.append(_Tok(t.i, t.lower_, lemma, t.pos_, t.tag_, t.dep_, t.head.i))
+        self._repair(toks)
+        for t in toks:
+            if t.head != t.i:
+                head = toks[t.head]
+                head.children.append(t)
+                head.kids.setdefault(t.dep, []).append(t)
+        return _Builder(toks).build()
+
+    # -- repairs of frequent parser errors, on the editable view
+
+    def _repair(self, toks: list[_Tok]) -> None:
+        lists = False
+        for t in toks:
+            head = toks[t.head]
+            dep = t.dep
+            if dep in ("nsubj", "nsubjpass"):
+                # "the street is lined with": the subject hangs on the auxiliary
+                if head.dep in ("aux", "auxpass"):
+                    t.head = head.head
+            elif dep in ("amod", "compound", "nmod") and t.pos in NOUNS:
+                # "the large red disk sitting above": a noun compound of a verb is its subject
+                if dep == "compound" and head.pos == "VERB" and t.i < head.i:
+                    t.dep = "nsubj"
+                # "fire hydrant" parsed as fire <- hydrant: English compounds are right-headed
+                elif head.pos in NOUNS and head.i == t.i - 1:
+                    self._swap(toks, head, t)
+                lists = lists or dep == "nmod"
+            elif dep == "conj":
+                lists = True
+        for t in toks:
+            if t.pos == "NOUN" and t.i and toks[t.i - 1].dep == "compound":
+                self._participle_as_noun(toks, t)
+        if not lists:
+            return
+        for t in toks:
+            # "a woman holds a baby and smiles": a noun conjoined with a verb is a verb
+            if t.dep == "conj" and t.pos in NOUNS and toks[t.head].pos == "VERB":
+                if self.verbs is None or t.lemma in self.verbs:
+                    t.pos = "VERB"
+        self._repair_lists(toks)
+
+    @staticmethod
+    def _swap(toks, head: _Tok, noun: _Tok) -> None:
+        """``noun`` takes ``head``'s place; ``head`` becomes its compound modifier."""
+        noun.dep, noun.head = head.dep, (head.head if head.head != head.i else noun.i)
+        for t in toks:
+            if t.head == head.i and t is not noun:
+                t.head = noun.i
+        head.dep, head.head = "compound", noun.i
+
+    def _participle_as_noun(self, toks, t: _Tok) -> None:
+        """A participle tagged as a noun heading the real noun: in "a zebra grazing on the
+        grass", zebra <-compound- grazing (NOUN, root). The noun is the object, the -ing word
+        a participle describing it. ``t``: a noun after a compound modifier."""
+        noun = toks[t.i - 1]
+        if noun.head != t.i or noun.dep != "compound" or noun.pos not in NOUNS:
+            return
+        if t.text.endswith("ing"):
+            if t.text in ING_NOUNS:
+                return
+            verb = _participle_lemma(t.text, self.verbs)
+        elif self.nouns is not None and self.verbs is not None:
+            # "watches a band perform": a verb that is no noun at all
+            verb = t.lemma if t.lemma in self.verbs and t.lemma not in self.nouns else None
+        else:
+            verb = None
+        if verb is None:
+            return
+        noun.dep, noun.head = t.dep, (t.head if t.head != t.i else noun.i)
+        for other in toks:
+            if other.head == t.i and other.i < noun.i:  # determiners, adjectives, numbers
+                other.head = noun.i
+        t.dep, t.head, t.pos, t.lemma = "acl", noun.i, "VERB", verb
+
+    @staticmethod
+    def _repair_lists(toks) -> None:
+        """Lists after "with": "a kitchen with X and a table" (table parsed as conjoined
+        with kitchen) and "an intersection with cars and traffic lights" (cars parsed as a
+        modifier of lights)."""
+        for t in toks:
+            head = toks[t.head]
+            # "a woman with a backpack and a man with a camera": man parsed as conjoined
+            # with backpack; a conjunct with its own "with" parallels the outer noun
+            if t.dep == "conj" and t.pos in NOUNS and head.dep == "pobj":
+                prep = toks[head.head]
+                outer = toks[prep.head]
+                own = [p for p in toks if p.head == t.i and p.dep == "prep"]
+                if outer.pos in NOUNS and any(p.text == prep.text for p in own):
+                    t.head = outer.i
+                    continue
+            if t.dep == "conj" and t.pos in NOUNS and head.pos in NOUNS:
+                preps = [p for p in toks if p.head == head.i and head.i < p.i < t.i]
+                withs = [p for p in preps if p.dep == "prep" and p.text == "with"]
+                own = [p for p in toks if p.head == t.i and p.dep == "prep" and p.text == "with"]
+                if withs and not own:
+                    pobjs = [p for p in toks if p.head == withs[-1].i and p.dep == "pobj"]
+                    if (
+                        pobjs
+                        and pobjs[0].i < t.i
+                        and not any(c.head == pobjs[0].i and c.dep == "conj" for c in toks)
+                    ):
+                        t.head = pobjs[0].i
+            if t.dep == "nmod" and t.pos in NOUNS and head.pos in NOUNS and t.i < head.i:
+                conj = [c for c in toks if c.head == t.i and c.dep == "conj" and c.pos in NOUNS]
+                if conj and conj[-1].i == head.i - 1:
+                    t.dep = "conj"
+                    conj[-1].head, conj[-1].dep = head.i, "compound"

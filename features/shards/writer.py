@@ -1,0 +1,238 @@
+"""Building shards (``vse shards build``): the stores' fields, captions, labels, boxes and
+scene graphs packed into tar files per split, ``sizes.json`` last."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from features.ingest.manifest import SPLITS, Manifest
+from features.store.reader import Store
+from features.store.spec import FieldSpec, StoreError
+from infra.config import Section
+
+SIZES = "sizes.json"
+
+
+FORMAT = 2  # the layout above; sizes.json of other formats is refused
+
+
+class ShardsConfig(Section):
+    """``shards`` section of params.yaml."""
+
+    samples_per_shard: int = Field(1000, ge=1, le=10_000_000)  # images per tar file
+    images_per_group: int = Field(64, ge=1, le=100_000)  # images per tar sample
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[.\s/]", "_", text)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _add_fields(tar, prefix: str, store, rows: list[int]) -> None:
+    """Every field of ``store`` at ``rows`` as members ``<prefix>.<field>.npy`` (ragged
+    fields flat, with ``<prefix>.<field>_offsets.npy``)."""
+    for field_name, values in store.read_indices(rows).items():
+        if store.fields[field_name].ragged:
+            flat, offsets = _flat(values, store.fields[field_name])
+            _add(tar, f"{prefix}.{field_name}.npy", _npy(flat))
+            _add(tar, f"{prefix}.{field_name}_offsets.npy", _npy(offsets))
+        else:
+            _add(tar, f"{prefix}.{field_name}.npy", _npy(values))
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """A member with fixed metadata, so identical inputs give identical bytes."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def build_shards(
+    manifest: Manifest,
+    stores: Mapping[str, Store],
+    out: str | Path,
+    cfg: ShardsConfig | None = None,
+    progress: Callable[[Iterable], Iterable] | None = None,
+    text: Store | None = None,
+    scene_graphs: Mapping[str, dict] | None = None,
+    scene_graphs_digest: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
+    """Write every split's shards and ``sizes.json`` to ``out`` (a folder or an fsspec
+    URL such as ``s3://bucket/shards``); returns the sizes.
+
+    ``stores`` are image-level (one row per manifest image); ``text`` is the caption-level
+    text store; ``scene_graphs`` (caption key -> graph) go into each group's metadata, with
+    ``scene_graphs_digest`` (of the graphs file) recorded for the check.
+
+    A local folder is built aside and moved into place whole (a folder that is not a
+    shards folder is refused, not replaced); remote shards lose their old ``sizes.json``
+    first and get the new one last, so readers never take a half-written set."""
+    from infra.files import atomic_path
+
+    if "://" not in str(out):
+        out = Path(out)
+        if out.exists() and not _is_shards_folder(out):
+            raise StoreError(
+                f"{out} exists and is not a shards folder (no {SIZES}, or files other than "
+                "shards); remove it or choose another --out"
+            )
+        with atomic_path(out, directory=True) as tmp:
+            return _build(
+                manifest, stores, tmp, cfg, progress, text, scene_graphs, scene_graphs_digest, None
+            )
+    return _build(
+        manifest,
+        stores,
+        out,
+        cfg,
+        progress,
+        text,
+        scene_graphs,
+        scene_graphs_digest,
+        storage_options,
+    )
+
+
+def _is_shards_folder(folder: Path) -> bool:
+    """A folder ``build_shards`` made (and may replace): only tars and ``sizes.json``."""
+    if not folder.is_dir():
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return not names or (SIZES in names and all(n == SIZES or n.endswith(".tar") for n in names))
+
+
+def _build(
+    manifest, stores, out, cfg, progress, text, scene_graphs, scene_graphs_digest, storage_options
+) -> dict:
+    import fsspec
+
+    cfg = cfg or ShardsConfig()
+    named = {**stores, **({"text": text} if text else {})}
+    for name, store in named.items():
+        if store.manifest_digest != manifest.digest:
+            raise StoreError(
+                f"store {name!r} ({store.url}) was built from manifest "
+                f"{store.manifest_digest[:12]}, not from this one ({manifest.digest[:12]}); "
+                "rebuild it (dvc repro)"
+            )
+    if "text" in stores:
+        raise StoreError("--store text=...: 'text' names the caption-level store; use --text")
+    fs, root = fsspec.core.url_to_fs(str(out), **(storage_options or {}))
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    for old in fs.glob(f"{root}/*.tar"):
+        fs.rm(old)
+    if fs.exists(f"{root}/{SIZES}"):
+        fs.rm(f"{root}/{SIZES}")
+    rows = manifest.table.to_pylist()
+    caption_rows = text_rows(text, rows) if text else None
+    sizes = {
+        "format": FORMAT,
+        "manifest_digest": manifest.digest,
+        "images_per_group": cfg.images_per_group,
+        "stores": {name: _describe(store) for name, store in named.items()},
+        "scene_graphs": scene_graphs_digest if scene_graphs is not None else None,
+        "shards": {},
+    }
+    positions = {}  # image key -> position in its split
+    for split in SPLITS:
+        split_rows = [r for r in rows if r["split"] == split]
+        positions.update({r["key"]: i for i, r in enumerate(split_rows)})
+        starts = range(0, len(split_rows), cfg.samples_per_shard)
+        for k, start in enumerate(progress(starts) if progress else starts):
+            name = f"{split}-{k:06d}.tar"
+            chunk = split_rows[start : start + cfg.samples_per_shard]
+            with tempfile.TemporaryDirectory() as tmp:
+                local = Path(tmp) / name
+                counts = _write_shard(
+                    local, split, chunk, positions, stores, text, caption_rows, scene_graphs, cfg
+                )
+                fs.put_file(str(local), f"{root}/{name}")
+            sizes["shards"][name] = {"split": split, **counts}
+    with fs.open(f"{root}/{SIZES}", "w") as f:  # last: shards without it are not read
+        f.write(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
+    return sizes
+
+
+def _describe(store: Store) -> dict:
+    return {
+        "kind": store.kind,
+        "fingerprint": store.fingerprint,
+        "fields": {
+            k: {"shape": list(v.shape), "dtype": v.dtype, "ragged": v.ragged}
+            for k, v in store.fields.items()
+        },
+    }
+
+
+def text_rows(text: Store, rows: list[dict]) -> dict[str, int]:
+    """Row of each caption key (``<image>#<i>``) in the text store."""
+    keys = [f"{r['key']}#{j}" for r in rows for j in range(len(r["captions"]))]
+    return {k: text.index(k) for k in keys}
+
+
+def _write_shard(path, split, chunk, positions, stores, text, caption_rows, graphs, cfg) -> dict:
+    counts = {"images": len(chunk), "captions": 0, "groups": 0}
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for g in range(0, len(chunk), cfg.images_per_group):
+            group = chunk[g : g + cfg.images_per_group]
+            key = f"{split}-{positions[group[0]['key']]:09d}"
+            captions = [f"{r['key']}#{j}" for r in group for j in range(len(r["captions"]))]
+            meta = {
+                "keys": [r["key"] for r in group],
+                "index": [positions[r["key"]] for r in group],
+                "labels": [r["label"] for r in group],
+                "captions": [r["captions"] for r in group],
+                "boxes": [r["boxes"] for r in group],
+                "box_names": [r["box_names"] for r in group],
+            }
+            if graphs is not None:
+                meta["scene_graphs"] = [graphs.get(c) for c in captions]
+            _add(tar, f"{key}.meta.json", json.dumps(meta, sort_keys=True).encode())
+            image_keys = [r["key"] for r in group]
+            for name, store in stores.items():
+                rows = [store.index(k) for k in image_keys]
+                _add_fields(tar, f"{key}.{_safe(name)}", store, rows)
+            if text is not None:
+                _add_fields(tar, f"{key}.text", text, [caption_rows[c] for c in captions])
+            counts["captions"] += len(captions)
+            counts["groups"] += 1
+    return counts
+
+
+def _flat(values: list[np.ndarray], spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:
+    lengths = [len(v) for v in values]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if not values or not offsets[-1]:
+        return np.zeros((0, *spec.shape), spec.dtype), offsets
+    return np.concatenate([np.asarray(v, spec.dtype) for v in values]), offsets
+
+
+def read_scene_graphs(folder: Path) -> dict[str, dict]:
+    """Scene graphs of a scene-graph folder by caption key (without the caption text)."""
+    from features.scenegraph.files import read_graph_rows
+
+    rows = read_graph_rows(folder)
+    return {r.pop("key"): {k: v for k, v in r.items() if k != "caption"} for r in rows}

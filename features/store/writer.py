@@ -1,0 +1,620 @@
+"""The store writer: creates or resumes a store in ``<store>.incomplete``, commits it shard by
+shard (data, then the shard's marker), finalizes it and moves it into place."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import zarr
+
+from features.store.integrity import (
+    _local_fs,
+    _readonly,
+    _store_files,
+    checksums_text,
+    file_checksum,
+    read_checksums,
+)
+from features.store.layout import (
+    CHECKSUMS,
+    CHECKSUMS_CHUNK,
+    COMMITS,
+    LOCK,
+    SEPARATOR,
+    SHARD_LOCKS,
+    _chunk_key,
+    _codecs,
+    _flat_keys,
+    _write_every_chunk,
+    incomplete_path,
+)
+from features.store.locks import _now, _same_file
+from features.store.spec import (
+    RAGGED_ROWS_PER_SAMPLE,
+    SCHEMA_VERSION,
+    FieldSpec,
+    Provenance,
+    StoreConfig,
+    StoreError,
+)
+from infra.files import replace_dir, sweep_stale
+
+
+class StoreWriter:
+    """Create or resume a store and commit it shard by shard.
+
+    The store is built in ``<path>.incomplete`` and moved to ``path`` when its last shard
+    is committed. A run killed at any moment leaves ``path`` untouched; a rerun resumes the
+    incomplete store from its committed shards, or starts it over if it was made from
+    other inputs or is damaged (it is this writer's own folder). The outputs of a DVC
+    stage are thus never partial, so no stage needs ``persist`` (which would cost it its
+    run-cache entry).
+
+    ``keys`` fixes the samples and their order up front (from the manifest). Dense shards
+    can be committed in any order; a store with ragged fields commits in order, because
+    a shard's rows start where the previous shard's end. Use as a context manager::
+
+        with StoreWriter(path, "regions", fields, keys, provenance, cfg) as writer:
+            for shard in writer.pending_shards():
+                start, stop = writer.shard_range(shard)
+                writer.write_shard(shard, {"features": ..., ...})
+
+    With ``shards``, the writer is a *shard writer*: one of several processes filling
+    disjoint shards of a dense store concurrently. It opens a store that a whole-store
+    writer created (never creates, resumes ragged rows or starts one over), writes only
+    the given shards, each under its own lock, and never finalizes: open a whole-store
+    writer once every shard writer is done to finalize the store.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        kind: str,
+        fields: Mapping[str, FieldSpec],
+        keys: Sequence[str],
+        provenance: Provenance,
+        cfg: StoreConfig | None = None,
+        log=print,
+        shards: Sequence[int] | None = None,
+    ):
+        self.target = Path(path)
+        self.path = incomplete_path(self.target)  # where the store is built
+        self.kind = kind
+        self.fields = dict(fields)
+        self.keys = list(keys)
+        self.n = len(self.keys)
+        self.provenance = provenance
+        self.cfg = cfg = cfg or StoreConfig()
+        self.fingerprint = provenance.fingerprint(kind, self.fields)
+        self.n_shards = -(-self.n // cfg.samples_per_shard)
+        self.log = log
+        self._lock_file = None
+        self._shard_lock_files: list = []
+        self.reused = False  # the complete store at `target` was made from the same inputs
+        self.only: list[int] | None = None  # a shard writer's shards
+        if shards is not None:
+            self.only = sorted({int(k) for k in shards})
+            outside = [k for k in self.only if not 0 <= k < self.n_shards]
+            if outside:
+                raise StoreError(
+                    f"store {self.path}: shard(s) {outside} out of range; it has "
+                    f"{self.n_shards} shards (0..{self.n_shards - 1})"
+                )
+
+    # -- lifecycle
+
+    def __enter__(self) -> StoreWriter:
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        if self.only is not None:
+            self._open_shards()
+            return
+        if self._target_is_this_store():
+            self.reused, self.committed = True, set(range(self.n_shards))
+            self.log(f"store {self.target}: complete, made from the same inputs; kept")
+            return
+        if self.target.exists():
+            if not (self.target / "zarr.json").is_file():
+                raise StoreError(
+                    f"{self.target} exists and is not a feature store; remove it or choose "
+                    "another output path"
+                )
+            self.log(
+                f"store {self.target}: made from other inputs or with another layout; "
+                "starting it over (the old store is replaced once the new one is complete)"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._acquire_lock()
+        for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
+            partial.unlink()
+        sweep_stale(self.target)  # what a killed move into place left
+        # no shard writer can hold a lock while we hold .lock exclusively
+        shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
+        existing = self._existing_attrs()
+        if existing is not None and not self._same_store(existing):
+            self.log(
+                f"store {self.target}: the incomplete store was made from other inputs or "
+                f"with another layout (fingerprint {existing.get('fingerprint', '?')[:12]} != "
+                f"{self.fingerprint[:12]}); starting it over"
+            )
+            existing = None
+        if existing is None:
+            self._clear()
+            self._create()
+        self.group = zarr.open_group(self.path, mode="r+")
+        self.commits = self.group[COMMITS]
+        markers = self.commits[:]
+        self.committed = {k for k, m in enumerate(markers) if m}
+        if self.committed:
+            self.log(
+                f"store {self.path}: resuming, {len(self.committed)}/{self.n_shards} shards done"
+            )
+        if self._ragged_names():
+            with _write_every_chunk():
+                self._truncate_ragged(markers)
+
+    def close(self) -> None:
+        for handle in self._shard_lock_files:  # lock files stay: only .lock's owner sweeps
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+        self._shard_lock_files = []
+        if self._lock_file is None:
+            return
+        if self.only is None:  # shard writers never finalize nor remove the shared lock
+            (self.path / LOCK).unlink(missing_ok=True)
+            if len(self.committed) == self.n_shards:
+                if not self.group.attrs["vse"].get("complete"):
+                    self._finalize()
+                if read_checksums(*_local_fs(self.path))[0] is None:
+                    self._write_checksums()  # last: a store with it is whole
+                replace_dir(self.path, self.target)  # still holding the lock's descriptor
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
+        self._lock_file = None
+
+    def _acquire_lock(self, shared: bool = False) -> None:
+        """``flock`` ``.lock``: exclusively for a whole-store writer, shared by shard writers.
+
+        The lock file is unlinked when an exclusive writer closes; a lock taken on a file
+        that was unlinked meanwhile protects nothing, so it is taken again on the new file.
+        """
+        lock_path = self.path / LOCK
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        while True:
+            handle = open(lock_path, "a+")
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                lines = [line for line in handle.read().splitlines() if line.strip()]
+                holder = "; ".join(lines[-3:]) or "another process"  # the latest ones
+                handle.close()
+                raise StoreError(
+                    f"store {self.path} is locked by a running writer ({holder}); wait for it "
+                    "to finish, or stop it, before writing this store"
+                ) from None
+            if _same_file(handle, lock_path):
+                break
+            handle.close()
+        if shared:  # shard writers list themselves; the next exclusive writer truncates
+            handle.write(f"shard writer {me}\n")
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{me}\n")
+        handle.flush()
+        self._lock_file = handle
+
+    def _open_shards(self) -> None:
+        """Open as a shard writer: shared store lock, one exclusive lock per own shard."""
+        ragged = self._ragged_names()
+        if ragged:
+            raise StoreError(
+                f"store {self.path}: ragged field(s) {ragged} put each shard's rows after the "
+                "previous shard's, so this store is written in order by one writer; open it "
+                "without shards= (and do not fan its shards out)"
+            )
+        if not (self.path / "zarr.json").is_file():
+            raise StoreError(
+                f"store {self.path} does not exist; create it first with one StoreWriter "
+                "without shards= (the coordinator), then start the shard writers"
+            )
+        self._acquire_lock(shared=True)
+        try:
+            existing = self._existing_attrs()
+            if existing is None or not self._same_store(existing):
+                found = (existing or {}).get("fingerprint", "?")[:12]
+                raise StoreError(
+                    f"store {self.path} was made from other inputs or with another layout "
+                    f"(fingerprint {found} != {self.fingerprint[:12]}); a shard writer never "
+                    "starts a store over: recreate it with one StoreWriter without shards= "
+                    "(the coordinator) first"
+                )
+            self._lock_shards()
+            self.group = zarr.open_group(self.path, mode="r+")
+            self.commits = self.group[COMMITS]
+            markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
+            self.committed = {k for k, m in enumerate(markers) if m}
+            for shard in self.pending_shards():  # temp files of a killed writer of our shards
+                for rel in self._shard_files(shard):
+                    for partial in (self.path / rel).parent.glob(f"{Path(rel).name}.*.partial"):
+                        partial.unlink(missing_ok=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_shards(self) -> None:
+        folder = self.path / SHARD_LOCKS
+        folder.mkdir(exist_ok=True)
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        for shard in self.only:
+            handle = open(folder / str(shard), "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise StoreError(
+                    f"store {self.path}: shard {shard} is being written by another shard "
+                    f"writer ({holder}); give each writer its own shards"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{me}\n")
+            handle.flush()
+            self._shard_lock_files.append(handle)
+
+    def _shard_files(self, shard: int) -> list[str]:
+        """Files of a dense shard, relative to the store: one per field, and its marker."""
+        files = [_chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
+        return [*files, _chunk_key(COMMITS, shard, 1)]
+
+    def _layout(self) -> dict:
+        """The layout params, and the chunk keys' separator (a store with other keys is
+        started over)."""
+        return {**self.cfg.model_dump(), "chunk_key_separator": SEPARATOR}
+
+    def _existing_attrs(self) -> dict | None:
+        """The attributes of the incomplete store, or None if there is none, it was cut
+        short while being created, or it is damaged: this folder is the writer's own, so
+        it is then started over."""
+        try:
+            group = zarr.open_group(self.path, mode="r")
+            attrs = dict(group.attrs["vse"])
+            group[COMMITS][:]  # created last: present once creation finished
+        except Exception:  # noqa: BLE001 - any damage means: start over
+            return None
+        return attrs
+
+    def _same_store(self, attrs: dict) -> bool:
+        return (
+            attrs.get("schema_version") == SCHEMA_VERSION
+            and attrs.get("fingerprint") == self.fingerprint
+            and attrs.get("layout") == self._layout()
+            and attrs.get("n") == self.n
+        )
+
+    def _target_is_this_store(self) -> bool:
+        """Whether ``target`` holds a complete store made from the same inputs."""
+        try:
+            attrs = dict(zarr.open_group(self.target, mode="r").attrs["vse"])
+        except Exception:  # noqa: BLE001 - absent or not a store: it is (re)built
+            return False
+        if read_checksums(*_local_fs(self.target))[0] is None:
+            return False  # no checksum manifest (damaged, or made by an older version)
+        return bool(attrs.get("complete")) and self._same_store(attrs)
+
+    def _clear(self) -> None:
+        for child in self.path.iterdir():
+            if child.name == LOCK:
+                continue
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def _create(self) -> None:
+        """The empty store: attributes, keys and field arrays, then the commit markers'
+        array, last, so that a store cut short while being created has none."""
+        cfg = self.cfg
+        group = zarr.create_group(self.path)  # mode "w" would delete the lock file
+        group.attrs["vse"] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "fingerprint": self.fingerprint,
+            "inputs": asdict(self.provenance),
+            "fields": {k: asdict(v) for k, v in self.fields.items()},
+            "layout": self._layout(),
+            "n": self.n,
+            "n_shards": self.n_shards,
+            "complete": False,
+        }
+        keys = group.create_array(
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **_flat_keys()
+        )
+        if self.n:
+            keys[:] = np.asarray(self.keys, dtype=object)
+        chunk = cfg.samples_per_chunk
+        for name, spec in self.fields.items():
+            if spec.ragged:
+                rows_chunk = chunk * RAGGED_ROWS_PER_SAMPLE
+                rows_shard = cfg.samples_per_shard * RAGGED_ROWS_PER_SAMPLE
+                rows_shard -= rows_shard % rows_chunk
+                group.create_array(
+                    name,
+                    shape=(0, *spec.shape),
+                    chunks=(rows_chunk, *spec.shape),
+                    shards=(rows_shard, *spec.shape),
+                    dtype=spec.dtype,
+                    fill_value=0,
+                    **_codecs(cfg),
+                    **_flat_keys(),
+                )
+                name, spec = f"{name}_offsets", FieldSpec((), "int64")
+            group.create_array(
+                name,
+                shape=(self.n, *spec.shape),
+                chunks=(chunk, *spec.shape),
+                shards=(cfg.samples_per_shard, *spec.shape),
+                dtype=spec.dtype,
+                fill_value=0,
+                **_codecs(cfg),
+                **_flat_keys(),
+            )
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **_flat_keys())
+
+    def _ragged_names(self) -> list[str]:
+        return [name for name, spec in self.fields.items() if spec.ragged]
+
+    def _rows_committed(self, markers) -> dict[str, int]:
+        """Rows of each ragged field up to the first uncommitted shard."""
+        rows = {name: 0 for name in self._ragged_names()}
+        for marker in markers:
+            if not marker:
+                break
+            rows.update({k: v[1] for k, v in json.loads(marker)["rows"].items()})
+        return rows
+
+    def _truncate_ragged(self, markers) -> None:
+        """Make ragged arrays look exactly as they did after the last in-order commit.
+
+        A killed writer may have grown an array or written part of a row shard; rewriting
+        the boundary shard from its committed rows drops that garbage, so the resumed run
+        ends bitwise identical to an uninterrupted one.
+        """
+        first_gap = next((k for k, m in enumerate(markers) if not m), self.n_shards)
+        for k in range(first_gap, self.n_shards):  # later markers would be out of order
+            if markers[k]:
+                self.commits[k] = ""
+                self.committed.discard(k)
+        for name, rows in self._rows_committed(markers).items():
+            array = self.group[name]
+            if array.shape[0] == rows:
+                continue
+            shard_rows = array.shards[0]
+            start = rows - rows % shard_rows
+            keep = array[start:rows]
+            for index in range(start // shard_rows, -(-array.shape[0] // shard_rows)):
+                (self.path / _chunk_key(name, index, array.ndim)).unlink(missing_ok=True)
+            array.resize((rows, *array.shape[1:]))
+            if len(keep):
+                array[start:rows] = keep
+
+    # -- writing
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        start = shard * self.cfg.samples_per_shard
+        return start, min(start + self.cfg.samples_per_shard, self.n)
+
+    def pending_shards(self) -> list[int]:
+        """Uncommitted shards (of a shard writer: its own), in order."""
+        shards = range(self.n_shards) if self.only is None else self.only
+        return [k for k in shards if k not in self.committed]
+
+    def write_shard(
+        self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
+    ) -> None:
+        """Write all fields of ``shard`` then its commit marker.
+
+        ``data[name]`` is an array of shape ``(stop - start, *shape)`` for a dense field, or
+        a list of ``(rows_i, *shape)`` arrays, one per sample, for a ragged field. ``notes``
+        (JSON-able, e.g. the shard's bad inputs) are kept in the marker, so they survive a
+        crash with the shard they describe.
+        """
+        with _write_every_chunk():
+            self._write_shard(shard, data, dict(notes or {}))
+
+    def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
+        if self.only is not None and shard not in self.only:
+            raise StoreError(
+                f"store {self.path}: shard {shard} is not one of this shard writer's shards "
+                f"{self.only}; another writer may be writing it"
+            )
+        start, stop = self.shard_range(shard)
+        if set(data) != set(self.fields):
+            raise StoreError(
+                f"store {self.path}: shard {shard} has fields {sorted(data)}, the store "
+                f"expects {sorted(self.fields)}"
+            )
+        ragged = self._ragged_names()
+        if ragged and any(k not in self.committed for k in range(shard)):
+            raise StoreError(
+                f"store {self.path}: shard {shard} written before an earlier shard; stores "
+                "with ragged fields are committed in order"
+            )
+        files: dict[str, str] = {}
+        rows: dict[str, list[int]] = {}
+        for name, spec in self.fields.items():
+            if spec.ragged:
+                rows[name] = self._write_ragged(name, spec, start, stop, data[name], files)
+                continue
+            array = np.asarray(data[name], dtype=spec.dtype)
+            if array.shape != (stop - start, *spec.shape):
+                raise StoreError(
+                    f"store {self.path}: field {name!r} of shard {shard} has shape "
+                    f"{array.shape}, expected {(stop - start, *spec.shape)}"
+                )
+            rel = _chunk_key(name, shard, array.ndim)
+            if self.cfg.compression == "none":
+                files[rel] = self._write_raw_shard(rel, array)
+            else:
+                self.group[name][start:stop] = array
+                files[rel] = ""
+        for rel, checksum in files.items():
+            if not checksum:
+                files[rel] = file_checksum((self.path / rel).read_bytes())
+        marker = {
+            "shard": shard,
+            "start": start,
+            "stop": stop,
+            "rows": rows,
+            "files": files,
+            "notes": notes,
+        }
+        self._write_marker(shard, json.dumps(marker, sort_keys=True))
+        self.committed.add(shard)
+
+    def _write_marker(self, shard: int, text: str) -> None:
+        """Commit shard ``shard``: its marker, the chunk Zarr writes for ``commits[shard] =
+        text`` (vlen-utf8, then zstd level 0: the same bytes, tested), by atomic rename."""
+        data = numcodecs.Zstd(level=0).encode(
+            numcodecs.VLenUTF8().encode(np.array([text], dtype=object))
+        )
+        path = self.path / _chunk_key(COMMITS, shard, 1)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+
+    def _write_raw_shard(
+        self, rel: str, array: np.ndarray, chunk: int | None = None, per_shard: int | None = None
+    ) -> str:
+        """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``;
+        a dense field's by default) as Zarr's sharding codec lays it out (the chunks along
+        axis 0 back to back, then the index: (offset, nbytes) uint64 per chunk, absent
+        ones all ones, and the index's CRC-32C), by atomic rename; returns its checksum.
+        The same bytes Zarr writes (tested), without its per-chunk encoding, and
+        checksummed as written rather than read back."""
+        chunk = chunk or self.cfg.samples_per_chunk
+        per_shard = per_shard or self.cfg.samples_per_shard
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        present = -(-len(array) // chunk)
+        chunk_bytes = chunk * array[0].nbytes if len(array) else 0
+        index = np.full((per_shard // chunk, 2), np.iinfo(np.uint64).max, dtype="<u8")
+        index[:present, 0] = np.arange(present, dtype=np.uint64) * chunk_bytes
+        index[:present, 1] = chunk_bytes
+        tail = index.tobytes()
+        tail += google_crc32c.value(tail).to_bytes(4, "little")
+        padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
+        crc = google_crc32c.value(_readonly(array))
+        crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(tmp, "wb") as f:
+            array.tofile(f)
+            f.write(padding)
+            f.write(tail)
+        os.replace(tmp, path)
+        return f"crc32c:{crc:08x}"
+
+    def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
+        if len(samples) != stop - start:
+            raise StoreError(
+                f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
+                f"shard range {start}:{stop}"
+            )
+        raw = self.cfg.compression == "none"
+        values = self.group[name]
+        first = values.shape[0]
+        lengths = [len(s) for s in samples]
+        offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        rel = _chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
+        if raw:
+            files[rel] = self._write_raw_shard(rel, offsets)
+        else:
+            self.group[f"{name}_offsets"][start:stop] = offsets
+            files[rel] = ""
+        last = first + sum(lengths)
+        if last > first:
+            flat = np.concatenate([np.asarray(s, dtype=spec.dtype) for s in samples])
+            if flat.shape[1:] != spec.shape:
+                raise StoreError(
+                    f"store {self.path}: ragged field {name!r} rows have shape "
+                    f"{flat.shape[1:]}, expected {spec.shape}"
+                )
+            values.resize((last, *spec.shape))
+            shard_rows, chunk_rows = values.shards[0], values.chunks[0]
+            for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
+                rel = _chunk_key(name, index, values.ndim)
+                if not raw:
+                    files[rel] = ""
+                    continue
+                lo, hi = index * shard_rows, min(last, (index + 1) * shard_rows)
+                rows = flat[max(lo - first, 0) : hi - first]
+                if lo < first:  # the file's rows so far come first: read them back
+                    kept = np.fromfile(
+                        self.path / rel,
+                        np.dtype(spec.dtype).newbyteorder("<"),
+                        count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
+                    )
+                    rows = np.concatenate([kept.reshape(first - lo, *spec.shape), rows])
+                files[rel] = self._write_raw_shard(rel, rows, chunk_rows, shard_rows)
+            if not raw:
+                values[first:last] = flat
+        return [int(first), int(last)]
+
+    def write_extra(self, name: str, array: np.ndarray) -> None:
+        """A store-level array that is not per sample (e.g. a fitted projection), one file,
+        checksummed like the shards. Nothing to do when the complete store is reused."""
+        if self.reused:
+            return
+        array = np.asarray(array)
+        extra = self.group.create_array(
+            name, shape=array.shape, dtype=array.dtype, chunks=array.shape or (1,), overwrite=True
+        )
+        extra[...] = array
+        rel = "/".join([name, "c"] + ["0"] * array.ndim) if array.ndim else f"{name}/c"
+        attrs = dict(self.group.attrs["vse"])
+        attrs.setdefault("extras", {})[name] = file_checksum((self.path / rel).read_bytes())
+        attrs["extras_files"] = {**attrs.get("extras_files", {}), name: rel}
+        self.group.attrs["vse"] = attrs
+
+    def _finalize(self) -> None:
+        attrs = dict(self.group.attrs["vse"])
+        counts = {"samples": self.n, "shards": self.n_shards}
+        for name in self._ragged_names():
+            counts[f"{name}_rows"] = int(self.group[name].shape[0])
+        attrs.update(complete=True, counts=counts)
+        self.group.attrs["vse"] = attrs
+
+    def _write_checksums(self) -> None:
+        """The checksum manifest: every file of the finalized store. Chunks keep the
+        checksums their commit markers recorded (so damage after a commit still shows);
+        the rest (metadata, keys, markers, extras) are checksummed now (CRC-32C)."""
+        files: dict[str, str] = {}
+        for marker in self.commits[:]:
+            files.update(json.loads(marker)["files"])  # later shards: final ragged files
+        attrs = self.group.attrs["vse"]
+        for name, digest in attrs.get("extras", {}).items():
+            files[attrs["extras_files"][name]] = digest
+        manifest = self.group.create_array(
+            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, compressors=None, overwrite=True
+        )
+        for rel, path in _store_files(self.path):
+            if rel not in files and rel != CHECKSUMS_CHUNK:
+                files[rel] = file_checksum(path.read_bytes())
+        manifest[0] = checksums_text(files)

@@ -1,0 +1,1 @@
+"""Language features: the text stage, text models, Sentence-BERT statistics."""

@@ -1,0 +1,41 @@
+"""Training and evaluation batches from the feature stores.
+
+Every model reads the same kind of batch: a dict of tensors whose keys depend on what the
+model declares in ``inputs``. Image-side keys are indexed by image, text-side keys by
+caption; a training batch pairs caption ``c`` with its image, so row ``b`` of both sides is
+a positive pair.
+
+Image side::
+
+    image            (B, Di)        global CNN feature (global store)
+    regions          (B, R, Dr)     region features, zero-padded (regions store)
+    region_lengths   (B,)           valid regions
+    boxes            (B, R, 4)      x1, y1, x2, y2 divided by the image width/height
+    grid             (B, G, Dg)     grid features, G = rows * cols (grid store)
+    labels           (B,)           class id (manifest), also given with the text side
+
+Text side::
+
+    words, word_lengths        (B, L), (B,)       <start> w1 .. wn <end> vocabulary ids
+    tokens, token_lengths      (B, T, Dt), (B,)   frozen BERT token features
+    document                   (B, Dd)            HUSE document feature
+    tfidf                      (B, V)             dense TF-IDF vector
+    objects, attributes, relations                (B, N, W) word ids of each scene-graph
+                                                  component's phrase (0-padded), with
+    object_mask, attribute_mask, relation_mask    (B, N)
+    attribute_objects                             (B, N) index of the modified object
+    relation_subjects, relation_objects           (B, N) object indices
+    text_labels                (B,)               class id of the caption's image
+
+``DataInfo`` carries the dimensions a model is built with; it is plain data so that a
+checkpoint can rebuild the model without the stores.
+
+Two steps make a batch. A source *builds* a raw batch (``build(kind, index, alloc)``):
+numpy arrays in the stored dtypes (float16 features, int32 ids widened to int64),
+gathered with one vectorised copy per field (:meth:`features.store.Store.gather`),
+into memory the caller provides. :func:`finish` makes it what the models read: float32,
+image inputs standardised, on the device; it runs once, on the GPU when there is one
+(:mod:`models.batches` runs both steps ahead of the training loop). The sources:
+:class:`PairData` (the feature stores, memory-mapped) and
+:class:`ShardData` (WebDataset shards built from the same stores).
+"""

@@ -1,0 +1,562 @@
+"""Ready batches, built off the training loop's critical path.
+
+A *source* builds raw batches: ``source.build(kind, index, alloc)`` returns a dict of
+arrays in their stored dtypes (``kind`` "pair": captions with their images, "image",
+"text"), taking every array from ``alloc(shape, dtype)``; a streaming source (WebDataset
+shards) also has ``source.stream(spec, worker, n_workers, alloc)``, a generator of raw
+batches. :class:`Batches` runs the builds ahead of the consumer and hands out batches as
+the models read them (:func:`models.data.finish`: float32, standardised, on the device):
+
+- ``num_workers = 0``, ``prefetch = 0``: built in the loop, when asked for (debugging);
+- ``num_workers = 0``, ``prefetch = P``: built by a thread of the training process, up
+  to P ahead (numpy gathers and torch copies release the GIL, so building overlaps the
+  training step), no copy between processes;
+- ``num_workers = W``: built by W worker processes, up to P ahead each, batch ``i`` by
+  worker ``i % W``, handed out in order.
+
+Memory: every batch is built into an :class:`Arena`, a reusable byte buffer (shared memory
+for workers), so a batch costs no fresh pages (a fresh 40 MB array costs ~10k page
+faults, more than the copy into it) and no copy between processes: a worker sends only
+where each array lies in its arena. A batch handed out on the CPU is a view of its arena
+and stays valid until the next batch is asked for (the training loop is done with a step
+by then). On CUDA the producer copies each batch into pinned memory and frees the arena at
+once; the consumer copies it with ``non_blocking=True`` and finishes it on the device
+(float16 -> float32 and standardisation run on the GPU, once). On the CPU the builder
+finishes the batch itself, so the consumer receives it ready.
+
+Order: batches come out in the order of the tasks (a map-style epoch: exactly the
+caption batches of :func:`models.train.epoch_batches`), or, for a stream, round-robin
+over the workers, each worker's batches in its stream's order; both are the same on every
+run with the same worker count. Nothing here draws from torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infra.config import UserError
+from models.data.arrays import finish, to_device
+
+ALIGN = 64  # bytes; arrays start at cache-line boundaries in an arena
+WORKER_CONTEXT = "spawn"  # a fork would copy the threads of an in-process Prefect run
+POLL_SECONDS = 0.5  # how often a waiting producer checks that it should stop / is alive
+
+
+class DataWorkerError(UserError):
+    """A data-loading worker failed or died."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One epoch of a streaming source: ``spec`` is passed to ``source.stream``; at most
+    ``steps`` batches are taken (all ranks take the same number)."""
+
+    spec: tuple
+    steps: int
+
+
+class Arena:
+    """One batch's memory: arrays carved out of one reusable byte buffer (shared memory
+    when ``shared``, for worker processes). A batch that does not fit takes fresh arrays
+    for the rest and the buffer grows before the next batch."""
+
+    def __init__(self, nbytes: int = 1 << 20, shared: bool = False):
+        self.shared = shared
+        self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> None:
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.tensor = tensor.share_memory_() if self.shared else tensor
+        self.buffer = self.tensor.numpy()
+        self.changed = True  # a worker sends its new buffer with the next batch
+        self.used = self.demand = 0
+
+    def reset(self) -> None:
+        """Start a new batch (the previous one's arrays are reused from here on)."""
+        if self.demand > len(self.buffer):
+            self._allocate(int(self.demand * 1.25) + (1 << 20))
+        self.used = self.demand = 0
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        """An uninitialised array of ``shape`` and ``dtype`` (the ``alloc`` of a build)."""
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = -(-self.demand // ALIGN) * ALIGN
+        self.demand = start + nbytes
+        if self.used > start or start + nbytes > len(self.buffer):  # full: fresh memory
+            self.used = len(self.buffer) + 1
+            return np.empty(shape, dtype)
+        self.used = start + nbytes
+        return self.buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+    def holds(self, value: np.ndarray) -> int | None:
+        """Offset of a C-contiguous array that lies in this arena, else None."""
+        if not value.flags.c_contiguous:
+            return None
+        offset = value.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
+        return offset if 0 <= offset and offset + value.nbytes <= len(self.buffer) else None
+
+    def adopt(self, batch: dict) -> dict:
+        """``batch`` with every array (numpy or CPU tensor) in this arena, copying those
+        that are not (e.g. built by a source that ignores ``alloc``)."""
+        out = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value):
+                value = value.numpy(force=True) if value.device.type == "cpu" else value.cpu()
+            if isinstance(value, np.ndarray) and self.holds(value) is None:
+                copy = self(value.shape, value.dtype)
+                copy[...] = value
+                value = copy
+            out[key] = value
+        return out
+
+    def layout(self, batch: dict) -> dict:
+        """Where each array of ``batch`` lies: ``(dtype, shape, offset)``; other values
+        (and arrays outside the arena) as they are."""
+        out = {}
+        for key, value in batch.items():
+            offset = self.holds(value) if isinstance(value, np.ndarray) else None
+            if offset is None:
+                if isinstance(value, np.ndarray):
+                    value = torch.from_numpy(value)  # sent through shared memory
+                out[key] = ("value", value)
+            else:
+                out[key] = ("arena", value.dtype.str, value.shape, offset)
+        return out
+
+
+def from_layout(buffer: np.ndarray, layout: dict) -> dict:
+    """The batch a worker described with :meth:`Arena.layout`, as views of ``buffer``."""
+    out = {}
+    for key, item in layout.items():
+        if item[0] == "arena":
+            _, dtype, shape, offset = item
+            dtype = np.dtype(dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out[key] = buffer[offset : offset + nbytes].view(dtype).reshape(shape)
+        else:
+            out[key] = item[1]
+    return out
+
+
+def build(source, kind: str, index: np.ndarray, alloc: Arena) -> dict:
+    """A raw batch of ``source`` in ``alloc``: ``source.build`` when it has one, else its
+    ``<kind>_batch(index)`` (a test source of ready tensors), copied into the arena."""
+    if hasattr(source, "build"):
+        return alloc.adopt(source.build(kind, index, alloc))
+    return alloc.adopt(getattr(source, f"{kind}_batch")(index))
+
+
+def _copied(value, pin: bool):
+    """An array out of its arena: into pinned memory (CUDA's caching host allocator) or
+    plain memory."""
+    if not isinstance(value, np.ndarray):
+        return value
+    return torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value.copy())
+
+
+def _tensors(batch: dict) -> dict:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
+    """A worker process: builds the batches it is asked for into its arenas (one per
+    slot) and answers with their layout (and an arena's new buffer when it grew)."""
+    torch.set_num_threads(1)
+    arenas: dict[int, Arena] = {}
+    stream_spec, stream, current = None, None, [None]
+
+    def alloc(shape, dtype):  # a stream's batches go to the slot of the current request
+        return current[0](shape, dtype)
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the training process is gone
+            return
+        if message is None:
+            return
+        op, slot, task = message
+        arena = arenas.setdefault(slot, Arena(shared=True))
+        arena.reset()
+        try:
+            if op == "build":
+                batch = build(source, task[0], task[1], arena)
+            else:  # "next" batch of the stream `task`
+                if task != stream_spec:
+                    stream_spec, stream = task, source.stream(task, worker, n_workers, alloc)
+                current[0] = arena
+                raw = next(stream, None)
+                if raw is None:
+                    conn.send(("end", slot, None, None))
+                    continue
+                batch = arena.adopt(raw)
+            if finish_here:
+                batch = arena.adopt(finish(_tensors(batch), stats, alloc=arena))
+            fresh = arena.tensor if arena.changed else None
+            arena.changed = False
+            conn.send(("ok", slot, arena.layout(batch), fresh))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the trainer
+            text = traceback.format_exc()
+            try:
+                conn.send(("error", slot, exc, text))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                conn.send(("error", slot, None, text))
+
+
+class _Stopped(Exception):
+    """The consumer stopped the pass; the producer winds down."""
+
+
+class Batches:
+    """Ready batches of ``source`` on ``device`` (see the module docstring).
+
+    ``run(tasks)`` is one pass: ``tasks`` is a sequence of ``(kind, index)`` (a map-style
+    source) or a :class:`Stream`. Workers start once and serve every pass; ``close()``
+    (or leaving a ``with`` block) stops them. One pass at a time: starting a pass ends
+    the previous one.
+    """
+
+    def __init__(self, source, device, *, num_workers: int = 0, prefetch: int = 2):
+        if num_workers and prefetch < 1:
+            raise UserError("prefetch: workers build at least one batch ahead; set it >= 1")
+        self.source = source
+        self.device = torch.device(device)
+        self.num_workers = num_workers
+        self.prefetch = prefetch
+        self.stats = getattr(source, "stats", None) or {}
+        self._device_stats: dict = {}
+        # on the CPU the builder finishes batches; on an accelerator the device does
+        self._finish_on_host = self.device.type == "cpu"
+        self._arenas: list[Arena] = []
+        self._workers: list = []
+        self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (worker, slot) -> arena
+        self._active = None  # the pass in progress
+
+    # -- lifecycle
+
+    def __enter__(self) -> Batches:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the pass in progress and stop the workers."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        for _, conn in self._workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process, conn in self._workers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            conn.close()
+        self._workers, self._buffers = [], {}
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _start_workers(self) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context(WORKER_CONTEXT)
+        for worker in range(self.num_workers):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_worker,
+                args=(
+                    self.source,
+                    theirs,
+                    worker,
+                    self.num_workers,
+                    self.stats,
+                    self._finish_on_host,
+                ),
+                daemon=True,
+                name=f"vse-data-{worker}",
+            )
+            process.start()
+            theirs.close()
+            self._workers.append((process, ours))
+
+    # -- one pass
+
+    def run(self, tasks: Sequence[tuple[str, np.ndarray]] | Stream) -> Iterator[dict]:
+        """The batches of ``tasks``, ready on the device, in order."""
+        if self._active is not None:
+            self._active.close()
+        self._active = self._run(tasks)
+        return self._active
+
+    def _run(self, tasks) -> Iterator[dict]:
+        stop = threading.Event()
+        if self.num_workers:
+            if not self._workers:
+                self._start_workers()
+            produced = self._from_workers(tasks, stop)
+        else:
+            produced = self._built_here(tasks, stop)
+        ahead = bool(self.num_workers or self.prefetch)
+        if ahead:
+            produced = self._in_thread(produced, stop)
+        release = None
+        try:
+            while True:
+                if release is not None and not ahead:  # its one arena is needed next
+                    release()
+                    release = None
+                try:
+                    batch, done = next(produced)
+                except StopIteration:
+                    return
+                if release is not None:
+                    release()  # the consumer is done with the previous batch
+                release = done
+                yield self._ready(batch)
+        finally:
+            stop.set()
+            produced.close()
+            if release is not None:
+                release()
+
+    def _ready(self, batch: dict) -> dict:
+        """On the CPU the batch is ready; on a device: non-blocking copy, then finish."""
+        batch = _tensors(batch)
+        if self.device.type == "cpu":
+            return batch if self._finish_on_host else finish(batch, self.stats)
+        batch = to_device(batch, self.device)
+        if self.stats and not self._device_stats:
+            self._device_stats = {
+                k: tuple(t.to(self.device) for t in v) for k, v in self.stats.items()
+            }
+        return finish(batch, self._device_stats)
+
+    def _handoff(self, batch: dict, release) -> tuple[dict, object]:
+        """What the producer passes on: on an accelerator a pinned copy (the arena is freed
+        at once, the consumer copies without blocking); on the CPU the arena's views."""
+        if self.device.type == "cpu":
+            return batch, release
+        pin = self.device.type == "cuda"  # (another device gets a plain copy)
+        copied = {k: _copied(v, pin) for k, v in batch.items()}
+        release()
+        return copied, None
+
+    @staticmethod
+    def _wait(free: queue.Queue, stop: threading.Event):
+        while True:
+            try:
+                return free.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if stop.is_set():
+                    raise _Stopped from None
+
+    def _finished(self, batch: dict, arena: Arena) -> dict:
+        if not self._finish_on_host:
+            return batch
+        return arena.adopt(finish(_tensors(batch), self.stats, alloc=arena))
+
+    def _built_here(self, tasks, stop: threading.Event) -> Iterator[tuple[dict, object]]:
+        """Batches built in this process, each in one of ``prefetch + 1`` arenas."""
+        while len(self._arenas) < self.prefetch + 1:
+            self._arenas.append(Arena())
+        free: queue.Queue = queue.Queue()
+        for arena in self._arenas[: self.prefetch + 1]:
+            free.put(arena)
+        if isinstance(tasks, Stream):
+            current: list[Arena] = []
+
+            def alloc(shape, dtype):
+                return current[-1](shape, dtype)
+
+            stream = self.source.stream(tasks.spec, 0, 1, alloc)
+            for _ in range(tasks.steps):
+                arena = self._wait(free, stop)
+                arena.reset()
+                current.append(arena)
+                raw = next(stream, None)
+                if raw is None:
+                    return
+                batch = self._finished(arena.adopt(raw), arena)
+                yield self._handoff(batch, lambda a=arena: free.put(a))
+            return
+        for kind, index in tasks:
+            arena = self._wait(free, stop)
+            arena.reset()
+            batch = self._finished(build(self.source, kind, index, arena), arena)
+            yield self._handoff(batch, lambda a=arena: free.put(a))
+
+    def _from_workers(self, tasks, stop: threading.Event) -> Iterator[tuple[dict, object]]:
+        """Batches built by the worker processes: task ``i`` by worker ``i % W`` (a stream:
+        the next batch of each worker in turn), each into one of the worker's slots."""
+        workers = self.num_workers
+        free = [queue.Queue() for _ in range(workers)]
+        for q in free:
+            for slot in range(self.prefetch + 1):
+                q.put(slot)
+        pending: list[deque] = [deque() for _ in range(workers)]  # slots asked for, in order
+
+        def send(w: int, op: str, task, block: bool = False) -> bool:
+            """Ask worker ``w`` for a batch, if one of its slots is free (``block``: once
+            the consumer frees one)."""
+            try:
+                slot = self._wait(free[w], stop) if block else free[w].get_nowait()
+            except queue.Empty:
+                return False
+            self._workers[w][1].send((op, slot, task))
+            pending[w].append(slot)
+            return True
+
+        def receive(w: int):
+            status, slot, layout = self._receive(w, pending[w])
+            if status != "ok":
+                free[w].put(slot)
+                return None
+            batch = from_layout(self._buffers[(w, slot)], layout)
+            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s))
+
+        try:
+            if isinstance(tasks, Stream):
+                active = list(range(workers))
+                taken = turn = 0
+                while active and taken < tasks.steps:
+                    for w in active:
+                        while send(w, "next", tasks.spec):
+                            pass
+                    w = active[turn % len(active)]
+                    if not pending[w]:  # every slot of w is with the consumer
+                        send(w, "next", tasks.spec, block=True)
+                    item = receive(w)
+                    if item is None:  # this worker's stream is done
+                        while pending[w]:
+                            receive(w)
+                        active.remove(w)
+                        continue
+                    turn += 1
+                    taken += 1
+                    yield item
+                return
+            tasks = list(tasks)
+            order: deque = deque()
+            sent = 0
+            while sent < len(tasks) or order:
+                while sent < len(tasks) and send(sent % workers, "build", tasks[sent]):
+                    order.append(sent % workers)
+                    sent += 1
+                if not order:  # every slot is with the consumer: wait for one
+                    send(sent % workers, "build", tasks[sent], block=True)
+                    order.append(sent % workers)
+                    sent += 1
+                if stop.is_set():
+                    raise _Stopped
+                yield receive(order.popleft())
+        finally:
+            for w in range(workers):  # answers still out (a pass ended early): dropped
+                while pending[w] and self._workers:
+                    try:
+                        self._receive(w, pending[w])
+                    except DataWorkerError:
+                        break
+
+    def _receive(self, w: int, pending: deque) -> tuple[str, int, dict | None]:
+        """The next answer of worker ``w`` (to the oldest request in ``pending``); keeps
+        the worker's new arena buffer; raises what the worker raised."""
+        process, conn = self._workers[w]
+        try:
+            while not conn.poll(POLL_SECONDS):
+                if not process.is_alive():
+                    raise EOFError
+            status, slot, layout, extra = conn.recv()
+        except (EOFError, OSError):
+            process.join(timeout=5)
+            code = process.exitcode
+            self._stop_workers()  # the next pass starts new ones
+            raise DataWorkerError(
+                f"data worker {w} exited unexpectedly (exit code {code}; killed for "
+                "memory?); lower train.num_workers or train.prefetch"
+            ) from None
+        expected = pending.popleft()
+        if slot != expected:
+            raise DataWorkerError(f"data worker {w} answered slot {slot}, not {expected}")
+        if status == "ok" and extra is not None:
+            self._buffers[(w, slot)] = extra.numpy()
+        if status == "error":
+            if isinstance(layout, UserError):
+                raise layout
+            raise DataWorkerError(f"data worker {w} failed:\n{extra}") from (
+                layout if isinstance(layout, BaseException) else None
+            )
+        return status, slot, layout
+
+    def _in_thread(self, produced: Iterator, stop: threading.Event) -> Iterator:
+        """``produced`` run by a thread, a few items ahead of the consumer."""
+        items: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch) * max(1, self.num_workers))
+        done = object()
+
+        def put(item) -> bool:
+            while True:
+                try:
+                    items.put(item, timeout=POLL_SECONDS)
+                    return True
+                except queue.Full:
+                    if stop.is_set():
+                        return False
+
+        def run():
+            try:
+                for item in produced:
+                    if not put(item):
+                        if item[1] is not None:
+                            item[1]()
+                        return
+                put(done)
+            except _Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - raised again in the consumer
+                put(exc)
+            finally:
+                produced.close()
+
+        thread = threading.Thread(target=run, name="vse-batches", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = items.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive() or not items.empty():
+                try:  # free what the producer still queued, so that it can stop
+                    item = items.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if isinstance(item, tuple) and item[1] is not None:
+                    item[1]()
+            thread.join()

@@ -1,0 +1,198 @@
+""":class:`ShardData`: the batches of training streamed from WebDataset shards built from the
+stores, with the batch contract of :class:`models.data.pairs.PairData`."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from models.data.arrays import (
+    _KeysAt,
+    _put,
+    image_arrays,
+    refuse_non_finite,
+    scene_graph_batch,
+    text_arrays,
+)
+from models.data.info import FLOAT_INPUTS, DataError, DataInfo
+from models.data.pairs import PairData
+
+
+class ShardData:
+    """The training pairs of ``data`` (a :class:`PairData` of the train split: sizes,
+    vocabulary, feature statistics) streamed from WebDataset shards (``url``: a folder or
+    an fsspec URL such as ``s3://bucket/shards``) that ``vse shards build`` made from the
+    same stores; they are checked against them (manifest digest, store fingerprints, scene
+    graphs). Same batch contract as :class:`PairData` (:meth:`stream` yields raw "pair"
+    batches, built by the same code from the shards' groups).
+
+    Epoch ``e``: the train shards in an order seeded by ``(seed, e)`` are dealt to the
+    ``world x workers`` streams; each stream shuffles captions in a buffer of
+    ``shuffle_buffer`` captions (whole groups, seeded by ``(seed, e, rank, worker)``) and
+    yields full batches; every rank takes the same number of steps (the smallest over
+    ranks and epochs), so collectives never wait on a rank that ran out. A batch's rows
+    are in storage order (its captions are a random set; the order within it is not).
+    """
+
+    def __init__(self, url: str, data: PairData, cfg, storage_options: dict | None = None):
+        from features.scenegraph.files import GRAPHS
+        from features.shards.reader import check_sources, read_sizes, shard_names
+        from features.shards.writer import file_digest
+
+        self.url, self.storage_options, self.data = str(url), storage_options, data
+        sizes = read_sizes(self.url, storage_options)
+        graphs = None
+        if data.graphs is not None:
+            graphs = file_digest(Path(data.paths.scenegraphs) / GRAPHS)
+        names = check_sources(self.url, sizes, data.manifest_digest, data.stores, graphs)
+        self.names = names  # role ("regions", "text", ...) -> packed store name
+        self.fields = {role: sizes["stores"][name]["fields"] for role, name in names.items()}
+        self.shards = shard_names(sizes, "train")
+        if not self.shards:
+            raise DataError(f"{self.url}: no train shards; rebuild with `vse shards build`")
+        self.captions = np.array([sizes["shards"][n]["captions"] for n in self.shards])
+        self.batch_size, self.seed, self.epochs = cfg.batch_size, cfg.seed, cfg.epochs
+        self.buffer = max(cfg.shuffle_buffer, cfg.batch_size)
+        self.workers = max(1, cfg.num_workers)
+
+    # the sizes, vocabulary and statistics are the stores'
+    @property
+    def info(self) -> DataInfo:
+        return self.data.info
+
+    @property
+    def stats(self) -> dict:
+        return self.data.stats
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        return self.data.inputs
+
+    @property
+    def word_index(self) -> dict[str, int]:
+        return self.data.word_index
+
+    def feature_stats(self, max_images: int = 5000) -> dict:
+        return self.data.feature_stats(max_images)
+
+    def standardize(self, stats: dict) -> None:
+        self.data.standardize(stats)
+
+    def __len__(self) -> int:
+        return int(self.captions.sum())
+
+    def __getstate__(self) -> dict:  # workers need the shards, not the stores' readers
+        state = dict(self.__dict__)
+        state["data"] = copy.copy(self.data)
+        state["data"].stores, state["data"].graphs = {}, None
+        state["data"].captions = state["data"].caption_keys = []
+        return state
+
+    # -- epochs
+
+    def _mine(self, epoch: int, rank: int, world: int, worker: int) -> np.ndarray:
+        """This stream's shards (positions in ``self.shards``) for ``epoch``."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        return order[rank * self.workers + worker :: world * self.workers]
+
+    def steps(self, world: int) -> int:
+        """Steps per epoch on every rank: full batches the shards give the rank that gets
+        the fewest, in the epoch where that is smallest."""
+        fewest = min(
+            sum(
+                int(self.captions[self._mine(e, r, world, w)].sum()) // self.batch_size
+                for w in range(self.workers)
+            )
+            for e in range(self.epochs)
+            for r in range(world)
+        )
+        if fewest == 0:
+            raise DataError(
+                f"{self.url}: {len(self.shards)} train shards of {len(self)} captions fill no "
+                f"batch of {self.batch_size} on some of {world} ranks x {self.workers} workers; "
+                "rebuild with a smaller shards.samples_per_shard or lower train.num_workers"
+            )
+        return fewest
+
+    def epoch_stream(self, epoch: int, rank: int, world: int):
+        from models.data.batches import Stream
+
+        return Stream((epoch, rank, world), self.steps(world))
+
+    def stream(self, spec: tuple, worker: int, n_workers: int, alloc) -> Iterator[dict]:
+        """Raw pair batches of one stream (see the class docstring)."""
+        from features.shards.reader import read_groups
+
+        epoch, rank, world = spec
+        rng = np.random.default_rng([self.seed, epoch, rank, worker])
+        held: list = []
+        refs = np.empty((0, 2), np.int64)  # (group in held, caption in group)
+        for position in self._mine(epoch, rank, world, worker):
+            url = f"{self.url.rstrip('/')}/{self.shards[position]}"
+            for group in read_groups(url, self.storage_options):
+                n = int(group.caption_image.shape[0])
+                pairs = np.stack([np.full(n, len(held)), np.arange(n)], 1)
+                held.append(group)
+                refs = np.concatenate([refs, pairs])
+                if len(refs) >= self.buffer:
+                    # at this point the buffer holds >= shuffle_buffer captions
+                    refs = refs[rng.permutation(len(refs))]
+                    yield from self._emit(held, refs, alloc)
+                    held, refs = self._carry(
+                        held, refs[len(refs) // self.batch_size * self.batch_size :]
+                    )
+        refs = refs[rng.permutation(len(refs))]  # the stream's last captions
+        yield from self._emit(held, refs, alloc)
+
+    def _emit(self, held: list, refs: np.ndarray, alloc) -> Iterator[dict]:
+        """The full batches of ``refs`` (in order) from the ``held`` groups."""
+        from features.shards.reader import GroupColumns
+
+        images = {
+            role: GroupColumns(held, self.names[role], self.fields[role], "images")
+            for role in self.names
+            if role != "text"
+        }
+        text = None
+        if "text" in self.names:
+            text = GroupColumns(held, "text", self.fields["text"], "captions")
+        image_base = np.concatenate([[0], np.cumsum([g.n_images for g in held])[:-1]])
+        caption_image = [g.caption_image for g in held]
+        caption_base = np.concatenate([[0], np.cumsum([len(c) for c in caption_image])[:-1]])
+        flat_image = np.concatenate(caption_image) if held else np.empty(0, np.int64)
+        for start in range(0, len(refs) // self.batch_size * self.batch_size, self.batch_size):
+            chosen = refs[start : start + self.batch_size]
+            # a random set of captions; in storage order, each group's rows are copied
+            # into the batch in one slice
+            chosen = chosen[np.lexsort((chosen[:, 1], chosen[:, 0]))]
+            captions = caption_base[chosen[:, 0]] + chosen[:, 1]  # rows among held captions
+            rows = image_base[chosen[:, 0]] + flat_image[captions]  # rows among held images
+            yield self._batch(held, images, text, rows, captions, alloc)
+
+    def _batch(self, held, images, text, rows, captions, alloc) -> dict[str, np.ndarray]:
+        out = image_arrays(self.inputs, images, {role: rows for role in images}, alloc)
+        if text is not None:
+            out.update(text_arrays(self.inputs, text, captions, self.info.tfidf_dim, alloc))
+        index = np.concatenate([g.meta["index"] for g in held])[rows]
+        if "labels" in self.inputs:
+            labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in held])
+            out["labels"] = out["text_labels"] = _put(alloc, labels[rows])
+        if "scene_graph" in self.inputs:
+            graphs = [graph for g in held for graph in g.meta["scene_graphs"]]
+            batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
+            out.update({k: v.numpy() for k, v in batch.items()})
+        out["caption_image"] = _put(alloc, index)
+        keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image
+        refuse_non_finite(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
+        return out
+
+    @staticmethod
+    def _carry(held: list, refs: np.ndarray) -> tuple[list, np.ndarray]:
+        """The groups still referenced by the captions left over (fewer than a batch)."""
+        kept = np.unique(refs[:, 0])
+        remap = np.full(len(held), -1, np.int64)
+        remap[kept] = np.arange(len(kept))
+        return [held[k] for k in kept], np.stack([remap[refs[:, 0]], refs[:, 1]], 1)

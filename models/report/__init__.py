@@ -1,0 +1,1 @@
+"""The report: the comparison table, its plots and the retrieval gallery."""
