@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import _run, features_flow, pipeline_flow
+from flows.pipeline import features_flow, pipeline_flow, run_flow
 
 
 def stage_metrics(root: str | Path, stage: str) -> list[Path]:
@@ -61,7 +61,7 @@ def train_and_evaluate(
         )
         get_run_logger().info("evaluation of %s:\n%s", model, table)
 
-    return _run(
+    return run_flow(
         f"train-{model}", [stage], root, overrides, pull, push, remote, collect=attach_evaluation
     )
 

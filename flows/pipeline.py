@@ -197,7 +197,7 @@ def save_experiment(work: str, stages: list[str], name: str, overrides: dict) ->
     return name
 
 
-def _run(
+def run_flow(
     name: str,
     targets: list[str] | None,
     root: str,
@@ -255,7 +255,7 @@ def features_flow(
         env["VSE_DASK_WORKERS"] = str(dask_workers)
     if dask_address:
         env["VSE_DASK_ADDRESS"] = dask_address
-    return _run("features", targets, root, overrides, pull, push, remote, env)
+    return run_flow("features", targets, root, overrides, pull, push, remote, env)
 
 
 @flow(name="pipeline")
@@ -267,4 +267,4 @@ def pipeline_flow(
     remote: str | None = None,
 ) -> dict[str, str]:
     """The whole DAG."""
-    return _run("pipeline", None, root, overrides, pull, push, remote)
+    return run_flow("pipeline", None, root, overrides, pull, push, remote)

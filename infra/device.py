@@ -1,7 +1,8 @@
 """Where a stage computes: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
 
 Params name a device with :data:`Device` (validated with the rest of params.yaml);
-:func:`resolve_device` turns it into a ``torch.device`` in the stage's entry point.
+:func:`resolve_device` turns it into a ``torch.device`` in the stage's entry point;
+:func:`autocast` runs in bf16 on CUDA and in full precision elsewhere.
 """
 
 from __future__ import annotations
@@ -31,3 +32,10 @@ def resolve_device(name: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
     return device
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; a no-op elsewhere (full precision)."""
+    import torch
+
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -57,11 +57,6 @@ class TrainConfig(Section):
         return self
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; a no-op elsewhere (full precision)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def full_precision(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` in float32, for scores computed under :func:`float32_scores`."""
     return tuple(t.float() for t in tensors)

@@ -24,9 +24,8 @@ import torch
 from pydantic import Field, PositiveInt, model_validator
 
 from infra.config import Section
-from infra.device import Device
+from infra.device import Device, autocast
 from infra.finite import NonFiniteError, finite_rows
-from models.common import autocast
 from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
 
 

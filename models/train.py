@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from infra.config import Section, UserError
-from infra.device import resolve_device
+from infra.device import autocast, resolve_device
 from infra.files import save_torch
 from infra.resume import restore_training, training_state
-from models.common import TrainConfig, autocast
+from models.common import TrainConfig
 from models.data.info import DataInfo
 
 CHECKPOINT_VERSION = 1

@@ -114,8 +114,7 @@ def write_code_deps(path: Path = REPO / "dvc.yaml") -> None:
     derived: dict[str, set[str]] = {}
     for name, stage in stages().items():
         base, _, key = name.partition("@")
-        deps = {p.replace(f"/{key}.py", "/${key}.py") if key else p for p in
-                stage_code_deps(stage)}
+        deps = {p.replace(f"/{key}.py", "/${key}.py") if key else p for p in stage_code_deps(stage)}
         if base in derived and derived[base] != deps:
             sys.exit(f"stage {base}: its items run different code: {derived[base] ^ deps}")
         derived[base] = deps
@@ -130,9 +129,9 @@ def write_code_deps(path: Path = REPO / "dvc.yaml") -> None:
         if not (in_stages and code):
             out.append(line)
             continue
-        previous_code = lines[i - 1].strip().startswith("- ") and lines[i - 1].strip()[
-            2:
-        ].endswith(".py")
+        previous_code = lines[i - 1].strip().startswith("- ") and lines[i - 1].strip()[2:].endswith(
+            ".py"
+        )
         if not previous_code:  # the first code dep of a list: write all of them here
             indent = line[: len(line) - len(line.lstrip())]
             out.extend(f"{indent}- {p}\n" for p in sorted(derived.pop(stage)))

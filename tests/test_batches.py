@@ -12,7 +12,7 @@ from store_data import make_stores
 
 from features.store.reader import Store
 from models.common import TrainConfig, host_lengths
-from models.data.arrays import _tensors, finish, to_device
+from models.data.arrays import as_tensors, finish, to_device
 from models.data.batches import Arena, Batches, DataWorkerError
 from models.data.info import DataError
 from models.data.pairs import PairData
@@ -109,7 +109,7 @@ def test_batches_come_in_order_ready_and_equal_to_a_direct_build(paths, workers,
             got = [{k: v.clone() for k, v in b.items()} for b in batches.run(tasks)]
             assert len(got) == len(tasks)
             for (kind, index), batch in zip(tasks, got, strict=True):
-                want = finish(_tensors(data.build(kind, index)), data.stats)
+                want = finish(as_tensors(data.build(kind, index)), data.stats)
                 assert batch.keys() == want.keys()
                 for key, value in want.items():
                     assert batch[key].dtype == value.dtype, key

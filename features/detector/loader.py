@@ -94,7 +94,7 @@ def epoch_jobs(n: int, cfg: DetectorConfig, epoch: int) -> list[list[tuple[int, 
     ]
 
 
-def _loader(items: DetectionItems, batches, cfg: DetectorConfig, seed: int) -> DataLoader:
+def make_loader(items: DetectionItems, batches, cfg: DetectorConfig, seed: int) -> DataLoader:
     return DataLoader(
         items,
         batch_sampler=batches,

@@ -42,7 +42,7 @@ from torch import nn
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionDataset
 from features.detector.inputs import batch_images
-from features.detector.loader import DetectionItems, _loader, epoch_jobs
+from features.detector.loader import DetectionItems, epoch_jobs, make_loader
 from features.detector.metrics import evaluate_detector
 from features.detector.model import (
     backbone_with_conv5,
@@ -256,7 +256,7 @@ def _train(
         sums: dict[str, float] = {}
         batches = epoch_jobs(len(train_images), cfg, epoch)
         bar = progress(total=len(batches) * cfg.batch_size) if progress else None
-        for step, batch in enumerate(_loader(items, batches, cfg, cfg.seed + epoch)):
+        for step, batch in enumerate(make_loader(items, batches, cfg, cfg.seed + epoch)):
             good = [b for b in batch if b["error"] is None]
             for b in batch:
                 if b["error"] is not None and b["index"] not in skipped:

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from features.exchange.precomp import IMPORTER_VERSION, _progress, _report_notes, _store_finite
+from features.exchange.precomp import (
+    IMPORTER_VERSION,
+    empty_non_finite,
+    report_notes,
+    with_progress,
+)
 from features.ingest.manifest import (
     IngestError,
     Manifest,
@@ -169,7 +174,7 @@ def import_butd_tsv(
     fields = {**regions_fields(max_regions, dim), "valid": FieldSpec((), "uint8")}
     all_notes: dict[str, list[str]] = {}
     with StoreWriter(store_path, "regions", fields, keys, provenance, cfg, log=log) as writer:
-        for shard in _progress(progress, writer.pending_shards()):
+        for shard in with_progress(progress, writer.pending_shards()):
             start, stop = writer.shard_range(shard)
             n = stop - start
             data = {
@@ -200,8 +205,8 @@ def import_butd_tsv(
                 data["n_regions"][i] = r
                 data["image_hw"][i] = row["image_hw"]
                 data["valid"][i] = 1
-            _store_finite(data, fields, keys[start:stop], notes)
+            empty_non_finite(data, fields, keys[start:stop], notes)
             writer.write_shard(shard, data, notes)
             all_notes.update(notes)
-    _report_notes({k: v for k, v in all_notes.items() if v[0] != "no_tsv_row"}, log)
+    report_notes({k: v for k, v in all_notes.items() if v[0] != "no_tsv_row"}, log)
     return [k for k in keys if k not in matched]

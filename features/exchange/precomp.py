@@ -40,7 +40,7 @@ PRECOMP_SPLITS = {"train": "train", "dev": "val", "test": "test", "testall": "te
 IMPORTER_VERSION = "1"
 
 
-def _progress(progress, items):
+def with_progress(progress, items):
     return progress(items) if progress else items
 
 
@@ -145,7 +145,7 @@ def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], 
     return ims, captions, keys
 
 
-def _store_finite(data: dict, fields: dict, keys: list[str], notes: dict) -> None:
+def empty_non_finite(data: dict, fields: dict, keys: list[str], notes: dict) -> None:
     """Samples of one shard whose values are not finite as stored: emptied (``valid``
     0, no regions) and noted by key, like a bad image."""
     bad: dict[int, list[str]] = {}
@@ -162,7 +162,7 @@ def _store_finite(data: dict, fields: dict, keys: list[str], notes: dict) -> Non
         notes[keys[i]] = [NON_FINITE, f"{', '.join(names)}: NaN or infinite values"]
 
 
-def _report_notes(notes: dict, log: Callable[[str], None]) -> None:
+def report_notes(notes: dict, log: Callable[[str], None]) -> None:
     """One line per reason: how many samples were stored empty, and which."""
     by_reason: dict[str, list[str]] = {}
     for key, (reason, detail) in notes.items():
@@ -224,7 +224,7 @@ def import_precomp(
     starts = np.cumsum([0] + [len(p) for p in parts])
     notes: dict[str, list[str]] = {}
     with StoreWriter(store_path, "regions", fields, keys, provenance, cfg, log=log) as writer:
-        for shard in _progress(progress, writer.pending_shards()):
+        for shard in with_progress(progress, writer.pending_shards()):
             start, stop = writer.shard_range(shard)
             data = {
                 "features": _rows(parts, starts, start, stop).astype(np.float32, copy=False),
@@ -233,10 +233,10 @@ def import_precomp(
                 "valid": np.ones(stop - start, np.uint8),
             }
             shard_notes: dict[str, list[str]] = {}
-            _store_finite(data, fields, keys[start:stop], shard_notes)
+            empty_non_finite(data, fields, keys[start:stop], shard_notes)
             writer.write_shard(shard, data, shard_notes)
             notes.update(shard_notes)
-    _report_notes(notes, log)
+    report_notes(notes, log)
     write_manifest(records, dataset, per_image, manifest_path)
     return read_manifest(manifest_path)
 

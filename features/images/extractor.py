@@ -1,12 +1,11 @@
 """What the image extractors share: the store fields they fill, the params and version that
-enter the fingerprint, autocast, and the checks on the weights they load."""
+enter the fingerprint, and the checks on the weights they load."""
 
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
-import torch
 
 from features.detector.weights import (
     WeightsError,
@@ -22,11 +21,6 @@ DEFAULT_TRUNK = "resnet152"  # VSE++, UniVSE
 EXTRACTOR_VERSION = "2"  # 2: exact BUTD selection (classes of unsurvived proposals)
 
 
-def _autocast(device: torch.device):
-    """bf16 autocast on CUDA; a no-op on CPU (full precision)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def zeros(fields: dict[str, FieldSpec]) -> dict[str, np.ndarray]:
     return {name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in fields.items()}
 
@@ -39,7 +33,7 @@ def feature_params(cfg: ExtractConfig) -> dict:
     )
 
 
-def _conflict(param: str, given, found, source: str) -> None:
+def check_conflict(param: str, given, found, source: str) -> None:
     if given is not None and given != found:
         raise WeightsError(
             f"{param} is {given!r} but {source} says {found!r}; remove the param (it is "
@@ -47,7 +41,7 @@ def _conflict(param: str, given, found, source: str) -> None:
         )
 
 
-def _warn_random(what: str, seed: int) -> None:
+def warn_random_init(what: str, seed: int) -> None:
     warnings.warn(
         f"{what}: NO WEIGHTS GIVEN, using RANDOM initialisation (seed {seed}). Features "
         "are only useful for testing the pipeline; set `weights:` to a local checkpoint "

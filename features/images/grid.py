@@ -27,13 +27,13 @@ from features.detector.weights import (
 from features.images.config import GridConfig
 from features.images.extractor import (
     DEFAULT_TRUNK,
-    _autocast,
-    _conflict,
-    _warn_random,
+    check_conflict,
     feature_params,
+    warn_random_init,
     zeros,
 )
 from features.store.spec import FieldSpec
+from infra.device import autocast
 
 
 def build_trunk(cfg: GridConfig) -> ResNetTrunk:
@@ -49,13 +49,15 @@ def build_trunk(cfg: GridConfig) -> ResNetTrunk:
     obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
     if obj is not None and checkpoint_kind(obj) == "vse-detector":
         found = f"resnet{resnet_depth(obj['config']['architecture'])}"
-        _conflict("grid.architecture", arch, found, f"{cfg.weights} (a vse-detector checkpoint)")
+        check_conflict(
+            "grid.architecture", arch, found, f"{cfg.weights} (a vse-detector checkpoint)"
+        )
         arch = found
     arch = arch or DEFAULT_TRUNK
     trunk = ResNetTrunk(resnet_depth(arch))
     trunk.architecture = arch
     if obj is None:
-        _warn_random("grid", cfg.seed)
+        warn_random_init("grid", cfg.seed)
     else:
         source = f"{cfg.weights} ({describe(obj)})"
         load_exact(trunk, trunk_state(obj, param), param, f"the grid trunk ({arch})", source)
@@ -93,7 +95,7 @@ class GridExtractor:
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
         batch = torch.stack([it["image"] for it in items]).to(self.device, non_blocking=True)
-        with _autocast(self.device):
+        with autocast(self.device):
             conv5 = self.model(batch).float()  # (B, 2048, h, w)
         grid = F.adaptive_avg_pool2d(conv5, self.cfg.grid).permute(0, 2, 3, 1).cpu().numpy()
         pooled = conv5.mean(dim=(2, 3)).cpu().numpy()

@@ -40,9 +40,15 @@ from features.detector.weights import (
     trunk_state,
 )
 from features.images.config import RegionsConfig
-from features.images.extractor import _autocast, _conflict, _warn_random, feature_params, zeros
+from features.images.extractor import (
+    check_conflict,
+    feature_params,
+    warn_random_init,
+    zeros,
+)
 from features.images.select import butd_select
 from features.store.spec import FieldSpec
+from infra.device import autocast
 
 DEFAULT_DETECTOR = "resnet101_c4"  # Anderson et al. 2018
 
@@ -65,8 +71,10 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     overrides = {"rpn_post_nms_test": cfg.proposals}
     if kind == "vse-detector":
         source = f"{cfg.weights} (a vse-detector checkpoint)"
-        _conflict("regions.architecture", cfg.architecture, obj["config"]["architecture"], source)
-        _conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, source)
+        check_conflict(
+            "regions.architecture", cfg.architecture, obj["config"]["architecture"], source
+        )
+        check_conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, source)
         model = model_from_checkpoint(obj, overrides)
         model.architecture = obj["config"]["architecture"]
         return model.eval()
@@ -74,14 +82,16 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     num_classes = cfg.num_classes
     if kind == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
         found = obj["roi_heads.box_predictor.cls_score.weight"].shape[0]
-        _conflict("regions.num_classes", num_classes, found, f"{cfg.weights} ({describe(obj)})")
+        check_conflict(
+            "regions.num_classes", num_classes, found, f"{cfg.weights} ({describe(obj)})"
+        )
         num_classes = found
     spec = DetectorConfig(architecture=arch, **overrides)
     model = build_detector_model(spec, num_classes or DEFAULT_CLASSES)
     model.architecture = arch
     what = f"the regions detector ({arch})"
     if obj is None:
-        _warn_random("regions", cfg.seed)
+        warn_random_init("regions", cfg.seed)
     elif kind == "detection":
         load_exact(model, obj, param, what, f"{cfg.weights} ({describe(obj)})")
     elif kind == "classification":
@@ -178,7 +188,7 @@ class RegionExtractor:
         class logits (sum P, C)."""
         images = batch_images([it["image"] for it in items])
         images = ImageList(images.tensors.to(self.device, non_blocking=True), images.image_sizes)
-        with _autocast(self.device):
+        with autocast(self.device):
             feature_maps = self.model.backbone(images.tensors)
             if not isinstance(feature_maps, dict):
                 feature_maps = {"0": feature_maps}

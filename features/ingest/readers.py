@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from features.ingest.manifest import SPLITS, Dataset, IngestError, Record
-from features.ingest.validate import _is_utf8
+from features.ingest.validate import is_utf8
 from infra.config import Section, Seed
 
 
@@ -54,7 +54,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
     class_names = data.get("class_names")
     if class_names is not None and not (
         isinstance(class_names, list)
-        and all(isinstance(c, str) and _is_utf8(c) for c in class_names)
+        and all(isinstance(c, str) and is_utf8(c) for c in class_names)
     ):
         raise IngestError(
             f"{annotations}: 'class_names' must be a list of strings, got "
@@ -90,7 +90,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
             )
         )
     name = str(data.get("dataset", "karpathy"))
-    return Dataset(name if _is_utf8(name) else "karpathy", records, class_names)
+    return Dataset(name if is_utf8(name) else "karpathy", records, class_names)
 
 
 def _held_out(key: str, fraction: float, seed: int) -> bool:
@@ -140,7 +140,7 @@ def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfi
                     continue
                 name, text, label = row[0].strip(), row[1], row[2].strip()
                 key = Path(name).stem
-                if not (_is_utf8(name) and _is_utf8(label)) or not label:
+                if not (is_utf8(name) and is_utf8(label)) or not label:
                     problem = f"line {line_no}: image name or class is empty or not UTF-8"
                     rows.append(Record(f"<{csv_file.name}:{line_no}>", "", split, problem=problem))
                     continue

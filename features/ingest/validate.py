@@ -118,7 +118,7 @@ def check_path(
     ``allow_symlinks_outside``, once symlinks are resolved: inside the images root or the
     repository's DVC cache (DVC in symlink mode checks images out as links into it).
     """
-    if not path or "\x00" in path or not _is_utf8(path):
+    if not path or "\x00" in path or not is_utf8(path):
         return path, "unreadable_path", "empty path, NUL byte in path or not valid UTF-8"
     normalised = posixpath.normpath(path.replace("\\", "/"))
     if posixpath.isabs(normalised) or normalised == ".." or normalised.startswith("../"):
@@ -191,7 +191,7 @@ def check_box_names(names, boxes) -> str | None:
     """What is wrong with optional box names, or None: one string per box."""
     if names is None:
         return None
-    if not isinstance(names, list) or not all(isinstance(n, str) and _is_utf8(n) for n in names):
+    if not isinstance(names, list) or not all(isinstance(n, str) and is_utf8(n) for n in names):
         return f"box_names is {str(names)[:60]!r}, not a list of (UTF-8) strings"
     if not isinstance(boxes, list) or len(names) != len(boxes):
         count = len(boxes) if isinstance(boxes, list) else "no"
@@ -204,7 +204,7 @@ def check_box_attributes(attributes, boxes) -> str | None:
     if attributes is None:
         return None
     if not isinstance(attributes, list) or not all(
-        isinstance(a, list) and all(isinstance(v, str) and _is_utf8(v) for v in a)
+        isinstance(a, list) and all(isinstance(v, str) and is_utf8(v) for v in a)
         for a in attributes
     ):
         return f"box_attributes is {str(attributes)[:60]!r}, not one list of strings per box"
@@ -216,14 +216,14 @@ def check_box_attributes(attributes, boxes) -> str | None:
 
 def check_key(key) -> str | None:
     """What is wrong with an image key, or None: caption keys are ``<key>#<i>``."""
-    if not isinstance(key, str) or not key.strip() or not _is_utf8(key):
+    if not isinstance(key, str) or not key.strip() or not is_utf8(key):
         return "empty image key (file name), or not valid UTF-8"
     if "#" in key or any(c in key for c in "\n\r\t\x00"):
         return f"image key {key!r} holds '#' or a control character (caption keys are key#i)"
     return None
 
 
-def _is_utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -270,7 +270,7 @@ def validate(
                     "malformed_record",
                     f"caption {i} is {type(caption).__name__}, not text",
                 )
-            elif not _is_utf8(caption):
+            elif not is_utf8(caption):
                 report.error(key, "non_utf8_text", f"caption {i} is not valid UTF-8: {caption!r}")
             elif not caption.strip():
                 report.error(key, "empty_caption", f"caption {i} is empty or whitespace")

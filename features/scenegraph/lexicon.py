@@ -250,7 +250,7 @@ def verb_lemma(text: str, lemma: str, verbs: Collection[str] | None) -> str:
     return lemma
 
 
-def _participle_lemma(text: str, verbs: Collection[str] | None) -> str | None:
+def participle_lemma(text: str, verbs: Collection[str] | None) -> str | None:
     """The verb of an -ing form the tagger called a noun ("grazing" -> "graze"), if known."""
     if not text.endswith("ing") or len(text) < 6:
         return None

@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
-from features.scenegraph.lexicon import ING_NOUNS, NOUNS, VERBS, _participle_lemma, verb_lemma
+from features.scenegraph.lexicon import ING_NOUNS, NOUNS, VERBS, participle_lemma, verb_lemma
 
 _PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipeline -> Parser
 
@@ -105,7 +105,7 @@ class Parser:
         if t.text.endswith("ing"):
             if t.text in ING_NOUNS:
                 return
-            verb = _participle_lemma(t.text, self.verbs)
+            verb = participle_lemma(t.text, self.verbs)
         elif self.nouns is not None and self.verbs is not None:
             # "watches a band perform": a verb that is no noun at all
             verb = t.lemma if t.lemma in self.verbs and t.lemma not in self.nouns else None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from features.shards.writer import FORMAT, SIZES, _safe
+from features.shards.writer import FORMAT, SIZES, member_name
 from features.store.gather import padded_rows, take_rows
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreError
@@ -223,7 +223,7 @@ class GroupColumns:
     the concatenated groups."""
 
     def __init__(self, groups: list[Group], prefix: str, fields: Mapping, per_group: str):
-        self.groups, self.prefix = groups, _safe(prefix) if prefix != "text" else "text"
+        self.groups, self.prefix = groups, member_name(prefix) if prefix != "text" else "text"
         self.fields = {
             k: FieldSpec(tuple(v["shape"]), v["dtype"], v["ragged"]) for k, v in fields.items()
         }

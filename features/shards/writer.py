@@ -33,7 +33,7 @@ class ShardsConfig(Section):
     images_per_group: int = Field(64, ge=1, le=100_000)  # images per tar sample
 
 
-def _safe(text: str) -> str:
+def member_name(text: str) -> str:
     return re.sub(r"[.\s/]", "_", text)
 
 
@@ -214,7 +214,7 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
             image_keys = [r["key"] for r in group]
             for name, store in stores.items():
                 rows = [store.index(k) for k in image_keys]
-                _add_fields(tar, f"{key}.{_safe(name)}", store, rows)
+                _add_fields(tar, f"{key}.{member_name(name)}", store, rows)
             if text is not None:
                 _add_fields(tar, f"{key}.text", text, [caption_rows[c] for c in captions])
             counts["captions"] += len(captions)

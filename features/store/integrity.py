@@ -14,7 +14,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from features.store.layout import CHECKSUMS_CHUNK, COMMITS, LOCK, SHARD_LOCKS, _chunk_key
+from features.store.layout import CHECKSUMS_CHUNK, COMMITS, LOCK, SHARD_LOCKS, chunk_key
 from features.store.spec import StoreError
 
 
@@ -27,10 +27,10 @@ def file_checksum(data) -> str:
     (CRC-32C, in hardware at ~10 GB/s: it detects corrupt and truncated files, as Zarr's
     own shard-index CRC-32C does, at a small fraction of a SHA-256's cost). Markers of
     older stores hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
-    return f"crc32c:{google_crc32c.value(_readonly(data)):08x}"
+    return f"crc32c:{google_crc32c.value(readonly_view(data)):08x}"
 
 
-def _readonly(data):
+def readonly_view(data):
     """``data`` as google_crc32c takes it (bytes, or a read-only array): no copy."""
     if isinstance(data, bytes):
         return data
@@ -101,13 +101,13 @@ def read_checksums(fs, root: str) -> tuple[dict[str, str] | None, str]:
         return None, f"corrupt ({err})"
 
 
-def _local_fs(path: Path):
+def local_fs(path: Path):
     import fsspec
 
     return fsspec.filesystem("file"), str(Path(path).absolute())
 
 
-def _store_files(path: Path) -> Iterator[tuple[str, Path]]:
+def store_files(path: Path) -> Iterator[tuple[str, Path]]:
     """``(relative name, path)`` of every file of a local store but writers' lock and
     temporary files."""
     for file in sorted(path.rglob("*")):
@@ -141,7 +141,7 @@ def _commit_markers(url: str, storage_options, n_shards: int | None, problems: l
                 raise ValueError("no file checksums")
         except Exception as err:  # noqa: BLE001 - damaged chunk: name it, go on
             separator = commits.metadata.chunk_key_encoding.separator
-            rel = _chunk_key(COMMITS, k, 1, separator)
+            rel = chunk_key(COMMITS, k, 1, separator)
             problems.append(f"{rel}: corrupt ({type(err).__name__}: {err})"[:200])
             marker = None
         else:

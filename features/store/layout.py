@@ -31,22 +31,22 @@ INCOMPLETE = ".incomplete"  # suffix of the folder a store is built in
 SEPARATOR = "."  # chunk keys c.<k>.0.0: one file per shard, no directory per shard
 
 
-def _chunk_key(field_name: str, index: int, ndim: int, separator: str = SEPARATOR) -> str:
+def chunk_key(field_name: str, index: int, ndim: int, separator: str = SEPARATOR) -> str:
     """Path of Zarr shard ``index`` (along axis 0) of an array, relative to the group:
     ``name/c.<index>.0..`` (stores made before the flat keys: ``name/c/<index>/0/..``)."""
     return f"{field_name}/" + separator.join(["c", str(index)] + ["0"] * (ndim - 1))
 
 
-def _flat_keys() -> dict:
+def flat_keys() -> dict:
     return {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
 
 
-def _codecs(cfg: StoreConfig) -> dict:
+def array_codecs(cfg: StoreConfig) -> dict:
     compressors = zarr.codecs.ZstdCodec(level=1) if cfg.compression == "zstd" else None
     return {"compressors": compressors}
 
 
-def _write_every_chunk():
+def write_every_chunk():
     """Write chunks of zeros too, so each committed shard has a fixed set of files (the
     setting is not saved with an array, so it is set around every write)."""
     return zarr.config.set({"array.write_empty_chunks": True})

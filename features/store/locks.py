@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 
-def _now() -> str:
+def utc_now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def _same_file(handle, path: Path) -> bool:
+def same_file(handle, path: Path) -> bool:
     """Whether an open file is still the one at ``path`` (not unlinked or replaced)."""
     try:
         return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))

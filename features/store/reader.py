@@ -17,7 +17,7 @@ import zarr
 
 from features.store.gather import padded_rows, take_rows
 from features.store.integrity import verify_store
-from features.store.layout import COMMITS, INCOMPLETE, _chunk_key
+from features.store.layout import COMMITS, INCOMPLETE, chunk_key
 from features.store.spec import SCHEMA_VERSION, FieldSpec, StoreError
 
 IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
@@ -281,7 +281,7 @@ class Store:
             self._maps.popitem(last=False)
         array = self._array(name)
         separator = self.attrs["layout"].get("chunk_key_separator", "/")
-        rel = _chunk_key(name, shard, array.ndim, separator)
+        rel = chunk_key(name, shard, array.ndim, separator)
         data = np.memmap(Path(self.url) / rel, np.uint8, "r")
         n_chunks = array.shards[0] // array.chunks[0]
         # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c

@@ -19,12 +19,12 @@ import numpy as np
 import zarr
 
 from features.store.integrity import (
-    _local_fs,
-    _readonly,
-    _store_files,
     checksums_text,
     file_checksum,
+    local_fs,
     read_checksums,
+    readonly_view,
+    store_files,
 )
 from features.store.layout import (
     CHECKSUMS,
@@ -33,13 +33,13 @@ from features.store.layout import (
     LOCK,
     SEPARATOR,
     SHARD_LOCKS,
-    _chunk_key,
-    _codecs,
-    _flat_keys,
-    _write_every_chunk,
+    array_codecs,
+    chunk_key,
+    flat_keys,
     incomplete_path,
+    write_every_chunk,
 )
-from features.store.locks import _now, _same_file
+from features.store.locks import same_file, utc_now
 from features.store.spec import (
     RAGGED_ROWS_PER_SAMPLE,
     SCHEMA_VERSION,
@@ -166,7 +166,7 @@ class StoreWriter:
                 f"store {self.path}: resuming, {len(self.committed)}/{self.n_shards} shards done"
             )
         if self._ragged_names():
-            with _write_every_chunk():
+            with write_every_chunk():
                 self._truncate_ragged(markers)
 
     def close(self) -> None:
@@ -181,7 +181,7 @@ class StoreWriter:
             if len(self.committed) == self.n_shards:
                 if not self.group.attrs["vse"].get("complete"):
                     self._finalize()
-                if read_checksums(*_local_fs(self.path))[0] is None:
+                if read_checksums(*local_fs(self.path))[0] is None:
                     self._write_checksums()  # last: a store with it is whole
                 replace_dir(self.path, self.target)  # still holding the lock's descriptor
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
@@ -195,7 +195,7 @@ class StoreWriter:
         that was unlinked meanwhile protects nothing, so it is taken again on the new file.
         """
         lock_path = self.path / LOCK
-        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
         while True:
             handle = open(lock_path, "a+")
             try:
@@ -209,7 +209,7 @@ class StoreWriter:
                     f"store {self.path} is locked by a running writer ({holder}); wait for it "
                     "to finish, or stop it, before writing this store"
                 ) from None
-            if _same_file(handle, lock_path):
+            if same_file(handle, lock_path):
                 break
             handle.close()
         if shared:  # shard writers list themselves; the next exclusive writer truncates
@@ -262,7 +262,7 @@ class StoreWriter:
     def _lock_shards(self) -> None:
         folder = self.path / SHARD_LOCKS
         folder.mkdir(exist_ok=True)
-        me = f"pid {os.getpid()} on {socket.gethostname()} since {_now()}"
+        me = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
         for shard in self.only:
             handle = open(folder / str(shard), "a+")
             try:
@@ -283,8 +283,8 @@ class StoreWriter:
 
     def _shard_files(self, shard: int) -> list[str]:
         """Files of a dense shard, relative to the store: one per field, and its marker."""
-        files = [_chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
-        return [*files, _chunk_key(COMMITS, shard, 1)]
+        files = [chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
+        return [*files, chunk_key(COMMITS, shard, 1)]
 
     def _layout(self) -> dict:
         """The layout params, and the chunk keys' separator (a store with other keys is
@@ -317,7 +317,7 @@ class StoreWriter:
             attrs = dict(zarr.open_group(self.target, mode="r").attrs["vse"])
         except Exception:  # noqa: BLE001 - absent or not a store: it is (re)built
             return False
-        if read_checksums(*_local_fs(self.target))[0] is None:
+        if read_checksums(*local_fs(self.target))[0] is None:
             return False  # no checksum manifest (damaged, or made by an older version)
         return bool(attrs.get("complete")) and self._same_store(attrs)
 
@@ -344,7 +344,7 @@ class StoreWriter:
             "complete": False,
         }
         keys = group.create_array(
-            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **_flat_keys()
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **flat_keys()
         )
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
@@ -361,8 +361,8 @@ class StoreWriter:
                     shards=(rows_shard, *spec.shape),
                     dtype=spec.dtype,
                     fill_value=0,
-                    **_codecs(cfg),
-                    **_flat_keys(),
+                    **array_codecs(cfg),
+                    **flat_keys(),
                 )
                 name, spec = f"{name}_offsets", FieldSpec((), "int64")
             group.create_array(
@@ -372,10 +372,10 @@ class StoreWriter:
                 shards=(cfg.samples_per_shard, *spec.shape),
                 dtype=spec.dtype,
                 fill_value=0,
-                **_codecs(cfg),
-                **_flat_keys(),
+                **array_codecs(cfg),
+                **flat_keys(),
             )
-        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **_flat_keys())
+        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **flat_keys())
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
@@ -409,7 +409,7 @@ class StoreWriter:
             start = rows - rows % shard_rows
             keep = array[start:rows]
             for index in range(start // shard_rows, -(-array.shape[0] // shard_rows)):
-                (self.path / _chunk_key(name, index, array.ndim)).unlink(missing_ok=True)
+                (self.path / chunk_key(name, index, array.ndim)).unlink(missing_ok=True)
             array.resize((rows, *array.shape[1:]))
             if len(keep):
                 array[start:rows] = keep
@@ -435,7 +435,7 @@ class StoreWriter:
         (JSON-able, e.g. the shard's bad inputs) are kept in the marker, so they survive a
         crash with the shard they describe.
         """
-        with _write_every_chunk():
+        with write_every_chunk():
             self._write_shard(shard, data, dict(notes or {}))
 
     def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
@@ -468,7 +468,7 @@ class StoreWriter:
                     f"store {self.path}: field {name!r} of shard {shard} has shape "
                     f"{array.shape}, expected {(stop - start, *spec.shape)}"
                 )
-            rel = _chunk_key(name, shard, array.ndim)
+            rel = chunk_key(name, shard, array.ndim)
             if self.cfg.compression == "none":
                 files[rel] = self._write_raw_shard(rel, array)
             else:
@@ -494,7 +494,7 @@ class StoreWriter:
         data = numcodecs.Zstd(level=0).encode(
             numcodecs.VLenUTF8().encode(np.array([text], dtype=object))
         )
-        path = self.path / _chunk_key(COMMITS, shard, 1)
+        path = self.path / chunk_key(COMMITS, shard, 1)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
         tmp.write_bytes(bytes(data))
         os.replace(tmp, path)
@@ -519,7 +519,7 @@ class StoreWriter:
         tail = index.tobytes()
         tail += google_crc32c.value(tail).to_bytes(4, "little")
         padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
-        crc = google_crc32c.value(_readonly(array))
+        crc = google_crc32c.value(readonly_view(array))
         crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
         path = self.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -542,7 +542,7 @@ class StoreWriter:
         first = values.shape[0]
         lengths = [len(s) for s in samples]
         offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        rel = _chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
+        rel = chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
         if raw:
             files[rel] = self._write_raw_shard(rel, offsets)
         else:
@@ -559,7 +559,7 @@ class StoreWriter:
             values.resize((last, *spec.shape))
             shard_rows, chunk_rows = values.shards[0], values.chunks[0]
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
-                rel = _chunk_key(name, index, values.ndim)
+                rel = chunk_key(name, index, values.ndim)
                 if not raw:
                     files[rel] = ""
                     continue
@@ -614,7 +614,7 @@ class StoreWriter:
         manifest = self.group.create_array(
             CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, compressors=None, overwrite=True
         )
-        for rel, path in _store_files(self.path):
+        for rel, path in store_files(self.path):
             if rel not in files and rel != CHECKSUMS_CHUNK:
                 files[rel] = file_checksum(path.read_bytes())
         manifest[0] = checksums_text(files)

@@ -62,7 +62,7 @@ def scene_graph_batch(graphs: Sequence[dict], index: dict[str, int]) -> dict[str
     return out
 
 
-def _put(alloc, values: np.ndarray, dtype=None) -> np.ndarray:
+def put(alloc, values: np.ndarray, dtype=None) -> np.ndarray:
     """A copy of a (small) array in memory from ``alloc``."""
     values = np.asarray(values, dtype=dtype)
     out = alloc(values.shape, values.dtype)
@@ -101,11 +101,11 @@ def text_arrays(inputs, text, rows, tfidf_dim: int = 0, alloc=np.empty) -> dict[
     out: dict[str, np.ndarray] = {}
     if "words" in inputs:
         ids, lengths = text.gather_ragged("word_ids", rows)  # (B, L) int32
-        out["words"] = _put(alloc, ids, np.int64)
-        out["word_lengths"] = _put(alloc, lengths)  # (B,)
+        out["words"] = put(alloc, ids, np.int64)
+        out["word_lengths"] = put(alloc, lengths)  # (B,)
     if "tokens" in inputs:
         out["tokens"], lengths = text.gather_ragged("features", rows, alloc)  # (B, T, Dt)
-        out["token_lengths"] = _put(alloc, lengths)
+        out["token_lengths"] = put(alloc, lengths)
     if "document" in inputs:
         out["document"] = text.gather("document", rows, alloc)  # (B, Dd)
     if "tfidf" in inputs:
@@ -187,7 +187,7 @@ def floored_std(std: np.ndarray, ratio: float = 0.1) -> np.ndarray:
     return np.maximum(std, ratio * np.sqrt(np.mean(np.square(std))) + 1e-12)
 
 
-def _tensors(batch: dict) -> dict:
+def as_tensors(batch: dict) -> dict:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 

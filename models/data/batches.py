@@ -164,7 +164,7 @@ def _copied(value, pin: bool):
     return torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value.copy())
 
 
-def _tensors(batch: dict) -> dict:
+def as_tensors(batch: dict) -> dict:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
@@ -204,7 +204,7 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
                     continue
                 batch = arena.adopt(raw)
             if finish_here:
-                batch = arena.adopt(finish(_tensors(batch), stats, alloc=arena))
+                batch = arena.adopt(finish(as_tensors(batch), stats, alloc=arena))
             fresh = arena.tensor if arena.changed else None
             arena.changed = False
             conn.send(("ok", slot, arena.layout(batch), fresh))
@@ -345,7 +345,7 @@ class Batches:
 
     def _ready(self, batch: dict) -> dict:
         """On the CPU the batch is ready; on a device: non-blocking copy, then finish."""
-        batch = _tensors(batch)
+        batch = as_tensors(batch)
         if self.device.type == "cpu":
             return batch if self._finish_on_host else finish(batch, self.stats)
         batch = to_device(batch, self.device)
@@ -377,7 +377,7 @@ class Batches:
     def _finished(self, batch: dict, arena: Arena) -> dict:
         if not self._finish_on_host:
             return batch
-        return arena.adopt(finish(_tensors(batch), self.stats, alloc=arena))
+        return arena.adopt(finish(as_tensors(batch), self.stats, alloc=arena))
 
     def _built_here(self, tasks, stop: threading.Event) -> Iterator[tuple[dict, object]]:
         """Batches built in this process, each in one of ``prefetch + 1`` arenas."""

@@ -57,7 +57,7 @@ class DataError(UserError):
     """A missing or inconsistent input, named with what to do about it."""
 
 
-def _need(path: Path | None, flag: str, what: str) -> Path:
+def need_path(path: Path | None, flag: str, what: str) -> Path:
     if path is None:
         raise DataError(f"this model reads {what}: pass {flag} PATH")
     if not Path(path).exists() and "://" not in str(path):

@@ -13,17 +13,17 @@ import torch
 
 from models.data.arrays import (
     _KeysAt,
-    _put,
-    _tensors,
+    as_tensors,
     finish,
     floored_std,
     image_arrays,
     phrase_ids,
+    put,
     refuse_non_finite,
     scene_graph_batch,
     text_arrays,
 )
-from models.data.info import STATS_BLOCK, DataError, DataInfo, FeaturePaths, _need
+from models.data.info import STATS_BLOCK, DataError, DataInfo, FeaturePaths, need_path
 
 
 class PairData:
@@ -46,7 +46,7 @@ class PairData:
         from features.store.reader import Store, join_by_key
 
         self.inputs = inputs
-        manifest = read_manifest(_need(paths.manifest, "--manifest", "the manifest"))
+        manifest = read_manifest(need_path(paths.manifest, "--manifest", "the manifest"))
         self.manifest_digest = manifest.digest
         self.paths = paths
         table = manifest.split(split)
@@ -82,7 +82,7 @@ class PairData:
         for name, (uses, path, flag, what) in wanted.items():
             uses = {uses} if isinstance(uses, str) else uses
             if uses & inputs:
-                self.stores[name] = Store.open(_need(path, flag, what))
+                self.stores[name] = Store.open(need_path(path, flag, what))
         if "boxes" in inputs and "boxes" not in self.stores["regions"].fields:
             raise DataError(
                 f"{paths.regions}: the region store has no boxes (imported from a precomp "
@@ -106,7 +106,7 @@ class PairData:
             info["grid_dim"] = self.stores["grid"].fields["features"].shape[-1]
         self.word_index: dict[str, int] = {}
         if inputs & {"words", "scene_graph", "tfidf"}:
-            vocab = json.loads(_need(paths.vocab, "--vocab", "the text vocabulary").read_text())
+            vocab = json.loads(need_path(paths.vocab, "--vocab", "the text vocabulary").read_text())
             self.word_index = {w: i for i, w in enumerate(vocab["words"])}
             info["vocab_size"] = len(vocab["words"])
             info["tfidf_dim"] = len(vocab["tfidf_terms"])
@@ -129,7 +129,7 @@ class PairData:
         if "scene_graph" in inputs:
             from features.scenegraph.files import read_graphs, read_negatives
 
-            folder = _need(paths.scenegraphs, "--scenegraphs", "the scene graphs")
+            folder = need_path(paths.scenegraphs, "--scenegraphs", "the scene graphs")
             self.graphs = read_graphs(folder, self.caption_keys)
             negatives = read_negatives(folder)
             info["negatives"] = {
@@ -206,7 +206,7 @@ class PairData:
             out = {
                 **self._image_arrays(images, alloc),
                 **self._text_arrays(index, alloc),
-                "caption_image": _put(alloc, images),
+                "caption_image": put(alloc, images),
             }
         else:
             raise ValueError(f"unknown batch kind {kind!r}: image, text or pair")
@@ -222,7 +222,7 @@ class PairData:
         rows = {role: r[images] for role, r in self.image_rows.items()}
         out = image_arrays(self.inputs, self.stores, rows, alloc)
         if "labels" in self.inputs:
-            out["labels"] = _put(alloc, self.labels[images])
+            out["labels"] = put(alloc, self.labels[images])
         return out
 
     def _text_arrays(self, captions: np.ndarray, alloc) -> dict[str, np.ndarray]:
@@ -234,16 +234,16 @@ class PairData:
             graphs = scene_graph_batch([self.graphs[c] for c in captions], self.word_index)
             out.update({k: v.numpy() for k, v in graphs.items()})
         if "labels" in self.inputs:
-            out["text_labels"] = _put(alloc, self.labels[self.caption_image[captions]])
+            out["text_labels"] = put(alloc, self.labels[self.caption_image[captions]])
         return out
 
     def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
         """Image-side tensors for split positions ``images``, ready (standardised if asked)."""
-        return finish(_tensors(self.build("image", images)), self.stats)
+        return finish(as_tensors(self.build("image", images)), self.stats)
 
     def text_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
         """Text-side tensors for split caption positions ``captions``, ready."""
-        return finish(_tensors(self.build("text", captions)), self.stats)
+        return finish(as_tensors(self.build("text", captions)), self.stats)
 
     def with_adversarial(self, store: Path, captions: Path) -> PairData:
         """The fake captions of this split's images (``vse extract adversarial``) as a text
@@ -255,7 +255,7 @@ class PairData:
 
         from features.store.reader import Store, join_by_key
 
-        table = pq.read_table(_need(captions, "--adversarial-captions", "adversarial captions"))
+        table = pq.read_table(need_path(captions, "--adversarial-captions", "adversarial captions"))
         position = {k: i for i, k in enumerate(self.image_keys)}
         rows = [r for r in table.to_pylist() if r["image"] in position]
         if not rows:
@@ -270,7 +270,7 @@ class PairData:
         fake.attacks = np.array([r["attack"] for r in rows])
         fake.caption_image = np.array([position[r["image"]] for r in rows], dtype=np.int64)
         if self.inputs & {"words", "tokens", "document", "tfidf"}:
-            text = Store.open(_need(store, "--adversarial", "the adversarial text store"))
+            text = Store.open(need_path(store, "--adversarial", "the adversarial text store"))
             join_by_key({"text": self.stores["text"], "adversarial": text}, [])  # one manifest
             fake.stores["text"] = text
             fake.caption_rows = join_by_key({"text": text}, fake.caption_keys)["text"]
@@ -281,4 +281,4 @@ class PairData:
     def pair_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
         """Caption ``captions[b]`` with its image in row ``b``, ready: positives on the
         diagonal."""
-        return finish(_tensors(self.build("pair", captions)), self.stats)
+        return finish(as_tensors(self.build("pair", captions)), self.stats)

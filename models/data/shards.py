@@ -11,8 +11,8 @@ import numpy as np
 
 from models.data.arrays import (
     _KeysAt,
-    _put,
     image_arrays,
+    put,
     refuse_non_finite,
     scene_graph_batch,
     text_arrays,
@@ -179,12 +179,12 @@ class ShardData:
         index = np.concatenate([g.meta["index"] for g in held])[rows]
         if "labels" in self.inputs:
             labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in held])
-            out["labels"] = out["text_labels"] = _put(alloc, labels[rows])
+            out["labels"] = out["text_labels"] = put(alloc, labels[rows])
         if "scene_graph" in self.inputs:
             graphs = [graph for g in held for graph in g.meta["scene_graphs"]]
             batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
             out.update({k: v.numpy() for k, v in batch.items()})
-        out["caption_image"] = _put(alloc, index)
+        out["caption_image"] = put(alloc, index)
         keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image
         refuse_non_finite(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
         return out
