@@ -62,7 +62,6 @@ COLOR_WORDS = {
     "orange": ("orange",),
 }
 SIZE_WORDS = {"small": ("small", "little", "tiny"), "large": ("large", "big", "huge")}
-PLURALS = {"rhombus": "rhombi"}
 NUMBERS = {2: "two", 3: "three", 4: "four"}
 SHAPE_NOUNS = ("shapes", "objects", "figures")
 # Spatial relations: each entry is a list of phrasal prepositions, given as words.

@@ -51,7 +51,6 @@ from features.detector.config import DetectorConfig
 
 CHECKPOINT_FORMAT = "vse-detector"
 CHECKPOINT_VERSION = 1
-NO_ATTRIBUTE = "<no attribute>"
 
 
 def resnet_depth(architecture: str) -> int:
@@ -341,10 +340,6 @@ def detector_checkpoint(
         "attributes": list(attributes),
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
     }
-
-
-def is_detector_checkpoint(obj) -> bool:
-    return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT
 
 
 def model_from_checkpoint(ckpt: dict, overrides: dict | None = None) -> FasterRCNN:

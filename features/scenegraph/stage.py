@@ -110,11 +110,6 @@ def load_pipeline(name_or_path: str) -> tuple[object, dict]:
     return nlp, provenance
 
 
-def load_spacy(name_or_path: str):
-    """The pipeline alone (see :func:`load_pipeline`)."""
-    return load_pipeline(name_or_path)[0]
-
-
 def parse_captions(
     nlp,
     keys: list[str],

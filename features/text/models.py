@@ -15,7 +15,6 @@ from pathlib import Path
 
 from infra.config import UserError
 
-PAPER_BERT = "bert-base-uncased"
 MINILM = "all-MiniLM-L6-v2"
 MINILM_ALIASES = {MINILM, f"sentence-transformers/{MINILM}", "minilm"}
 

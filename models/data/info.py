@@ -11,12 +11,6 @@ from infra.config import UserError
 STATS_BLOCK = 128  # images read at a time for the feature statistics
 
 
-IMAGE_INPUTS = frozenset({"image", "regions", "boxes", "grid", "labels"})
-
-
-TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf", "scene_graph", "labels"})
-
-
 @dataclass(frozen=True)
 class DataInfo:
     """Sizes of the inputs a model is built for (0 where the model does not use one)."""
