@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from pydantic import Field, model_validator
 
+from features.ingest.manifest import SPLITS
 from infra.config import Section, Seed
 
 SHAPES = ("circle", "square", "triangle", "star", "hexagon", "diamond")
@@ -42,7 +43,6 @@ COLORS = {
 }
 SIZES = ("small", "large")
 TEXTURES = ("striped", "checkered", "dotted", "speckled")
-SPLITS = ("train", "val", "test")
 
 # Surface words per concept: the grammar draws one at random, the scene graph keeps its lemma.
 SHAPE_WORDS = {

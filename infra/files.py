@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -117,3 +118,9 @@ def save_torch(obj: Any, path: str | Path) -> None:
 
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(obj, f)
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 hex digest of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

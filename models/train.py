@@ -32,6 +32,7 @@ from infra.config import Section, UserError
 from infra.device import autocast, resolve_device
 from infra.files import save_torch
 from infra.resume import restore_training, training_state
+from infra.schedule import lr_factor
 from models.common import TrainConfig
 from models.data.info import DataInfo
 
@@ -137,17 +138,6 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int, wor
     return [order[s, rank] for s in range(steps)]
 
 
-def lr_factor(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
-    """LR multiplier per optimizer step: linear warm-up, then x lr_decay at each decay epoch."""
-
-    def factor(step: int) -> float:
-        warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-        epoch = step // steps_per_epoch
-        return warm * cfg.lr_decay ** sum(epoch >= e for e in cfg.lr_decay_epochs)
-
-    return factor
-
-
 def epoch_tasks(data, cfg: TrainConfig, epoch: int, rank: int, world: int):
     """This rank's batches of ``epoch``: a streaming source's own :class:`Stream` (WebDataset
     shards), else the caption batches of :func:`epoch_batches` as ``("pair", captions)``."""
@@ -200,7 +190,10 @@ def train(
         prepare_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = _steps(epoch_tasks(train_data, cfg, 0, rank, world))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lr_factor(steps_per_epoch, cfg.warmup_steps, cfg.lr_decay, cfg.lr_decay_epochs),
+    )
     history: list[dict] = []
     best_rsum, start = -math.inf, 0
     last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"

@@ -212,7 +212,8 @@ def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
     from dataclasses import replace
 
     from features.scenegraph.files import GRAPHS, write_scene_graphs
-    from features.shards.writer import file_digest, read_scene_graphs
+    from features.shards.writer import read_scene_graphs
+    from infra.files import sha256_file
 
     root, paths, manifest, _ = packed
     keys, texts, _ = manifest.caption_rows()
@@ -240,7 +241,7 @@ def test_scene_graphs_stream_with_the_shards_and_are_checked(packed, tmp_path):
         LAYOUT,
         text=Store.open(paths.text),
         scene_graphs=read_scene_graphs(tmp_path / "graphs"),
-        scene_graphs_digest=file_digest(tmp_path / "graphs" / GRAPHS),
+        scene_graphs_digest=sha256_file(tmp_path / "graphs" / GRAPHS),
     )
     source = ShardData(str(tmp_path / "s"), data, CFG)
     for batch in epoch(source, CFG, 0)[:3]:

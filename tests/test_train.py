@@ -10,9 +10,10 @@ import pytest
 import torch
 from model_data import TinyPairs
 
+from infra.schedule import lr_factor
 from models.common import TrainConfig
 from models.huse import HUSEConfig
-from models.train import TrainingError, epoch_batches, load_checkpoint, lr_factor, train
+from models.train import TrainingError, epoch_batches, load_checkpoint, train
 from models.univse import UniVSEConfig
 from models.vsepp import VSEPPConfig
 
@@ -124,7 +125,7 @@ def test_batches_are_disjoint_equal_per_rank_and_seeded_by_epoch():
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = lr_factor(TrainConfig(warmup_steps=4, lr_decay_epochs=[2], lr_decay=0.1), 10)
+    f = lr_factor(10, warmup_steps=4, lr_decay=0.1, lr_decay_epochs=[2])
     assert [round(f(s), 3) for s in (0, 1, 3, 10, 19, 20, 35)] == [
         0.25,
         0.5,

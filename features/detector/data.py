@@ -23,7 +23,6 @@ y2), class names, per-box attribute lists (or none), and counts of what it left 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from features.detector.config import DetectorConfig
 from features.ingest.manifest import Manifest
+from features.ingest.readers import held_out
 from infra.config import UserError
 
 
@@ -69,11 +69,6 @@ class DetectionDataset:
             "attributes": len(self.attributes),
             "dropped": dict(sorted(self.dropped.items())),
         }
-
-
-def _held_out(key: str, fraction: float, seed: int) -> bool:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def _load_json(path: Path, what: str):
@@ -161,7 +156,7 @@ def read_coco(train_json: Path, val_json: Path | None, cfg: DetectorConfig) -> D
                 continue
             key = Path(image["file_name"]).stem
             image_split = split
-            if val_json is None and _held_out(key, cfg.val_fraction, cfg.seed):
+            if val_json is None and held_out(key, cfg.val_fraction, cfg.seed):
                 image_split = "val"
             images.append(
                 DetectionImage(
@@ -211,7 +206,7 @@ def read_visual_genome(
     for image in objects:
         image_id = image["image_id"]
         key = str(image_id)
-        split = "val" if _held_out(key, cfg.val_fraction, cfg.seed) else "train"
+        split = "val" if held_out(key, cfg.val_fraction, cfg.seed) else "train"
         boxes = []
         for obj in image.get("objects") or []:
             names = obj.get("names") or ([obj["name"]] if "name" in obj else [])

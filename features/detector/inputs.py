@@ -41,3 +41,8 @@ def batch_images(tensors: Sequence[torch.Tensor], divisible: int = 32) -> ImageL
     for i, t in enumerate(tensors):
         batch[i, :, : t.shape[1], : t.shape[2]] = t
     return ImageList(batch, [tuple(t.shape[1:]) for t in tensors])
+
+
+def keep_list(items: list) -> list:
+    """DataLoader collate: images differ in size, the model batches them itself."""
+    return items

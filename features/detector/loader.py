@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from features.decode import BadImage, load_image
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
-from features.detector.inputs import resize_for_detection, to_tensor
+from features.detector.inputs import keep_list, resize_for_detection, to_tensor
 
 MAX_PIXELS = 89_478_485
 
@@ -75,10 +75,6 @@ class DetectionItems(Dataset):
             kept = [a for a, k in zip(attrs, known.tolist(), strict=True) if k]
             target["attributes"] = attribute_targets(kept, self.attributes, int(known.sum()))
         return {"index": i, "error": None, "image": tensor, "target": target}
-
-
-def keep_list(items: list) -> list:
-    return items
 
 
 def epoch_jobs(n: int, cfg: DetectorConfig, epoch: int) -> list[list[tuple[int, bool]]]:

@@ -16,8 +16,8 @@ from torchvision.ops import box_iou
 
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
-from features.detector.inputs import batch_images
-from features.detector.loader import DetectionItems, keep_list
+from features.detector.inputs import batch_images, keep_list
+from features.detector.loader import DetectionItems
 from infra.files import atomic_path, write_json
 
 

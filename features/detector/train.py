@@ -31,7 +31,6 @@ Evaluation on val (:func:`evaluate_detector`):
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +60,7 @@ from infra.config import UserError
 from infra.device import resolve_device
 from infra.files import save_torch
 from infra.resume import restore_training, training_state
+from infra.schedule import lr_factor
 
 LAST = "last.pt"
 
@@ -132,19 +132,6 @@ def _freeze(model: nn.Module, cfg: DetectorConfig) -> list[nn.Module]:
                     m.requires_grad_(False)
                     frozen_bn.append(m)
     return frozen_bn
-
-
-def _lr_factor(cfg: DetectorConfig, steps_per_epoch: int) -> Callable[[int], float]:
-    total = cfg.epochs * steps_per_epoch
-
-    def factor(step: int) -> float:
-        warm = min(1.0, 0.001 + (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-        if cfg.schedule == "cosine":
-            return warm * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
-        epoch = step // steps_per_epoch
-        return warm * cfg.lr_decay ** sum(epoch >= e for e in cfg.lr_decay_epochs)
-
-    return factor
 
 
 def _losses(model: nn.Module, images: list[torch.Tensor], targets: list[dict], cfg) -> dict:
@@ -221,7 +208,17 @@ def _train(
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = len(train_images) // cfg.batch_size
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg, steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lr_factor(
+            steps_per_epoch,
+            cfg.warmup_steps,
+            cfg.lr_decay,
+            cfg.lr_decay_epochs,
+            cosine_epochs=cfg.epochs if cfg.schedule == "cosine" else None,
+            warm_start=0.001,
+        ),
+    )
     identity = {
         "config": cfg.model_dump(mode="json"),
         "classes": classes,

@@ -20,7 +20,6 @@ summary of the keys (counts per prefix and a few examples).
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from infra.config import UserError
+from infra.files import sha256_file
 
 TORCHVISION_PREFIX = "torchvision:"
 # torchvision BatchNorm buffers that FrozenBatchNorm2d checkpoints (the published
@@ -75,11 +75,7 @@ def weights_digest(spec: str | None, seed: int, param: str = "weights") -> str:
     """SHA-256 of the checkpoint file, or a distinct tag for random initialisation."""
     if spec is None:
         return f"random-init-seed-{seed}"
-    h = hashlib.sha256()
-    with open(resolve_weights(spec, param), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(resolve_weights(spec, param))
 
 
 def read_checkpoint(spec: str, param: str) -> dict:

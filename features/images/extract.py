@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from features.decode import MAX_ASPECT_RATIO, BadImage, load_image
+from features.detector.inputs import keep_list
 from features.detector.weights import weights_digest
 from features.images.config import ExtractConfig
 from features.images.extractor import EXTRACTOR_VERSION
@@ -98,11 +99,6 @@ def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
 
         return build_detectron2_extractor(cfg, device)
     return RegionExtractor(build_detector(cfg), cfg, device)
-
-
-def keep_list(items: list[dict]) -> list[dict]:
-    """DataLoader collate: images differ in size, the extractor batches them itself."""
-    return items
 
 
 @dataclass

@@ -20,6 +20,11 @@ MANIFEST_SCHEMA_VERSION = 2  # 2: box_attributes (version 1 reads as all-null)
 SPLITS = ("train", "val", "test")
 
 
+def caption_key(image_key: str, i: int) -> str:
+    """The key of caption ``i`` of an image: ``<image key>#<i>`` (caption-level stores)."""
+    return f"{image_key}#{i}"
+
+
 KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
 
@@ -129,7 +134,7 @@ class Manifest:
             self.table["split"].to_pylist(),
             strict=True,
         ):
-            keys += [f"{key}#{i}" for i in range(len(captions))]
+            keys += [caption_key(key, i) for i in range(len(captions))]
             texts += captions
             splits += [split] * len(captions)
         return keys, texts, splits

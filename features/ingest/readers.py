@@ -93,7 +93,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
     return Dataset(name if is_utf8(name) else "karpathy", records, class_names)
 
 
-def _held_out(key: str, fraction: float, seed: int) -> bool:
+def held_out(key: str, fraction: float, seed: int) -> bool:
     """Deterministic, order-independent choice of the val part of a train split."""
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
@@ -145,7 +145,7 @@ def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfi
                     rows.append(Record(f"<{csv_file.name}:{line_no}>", "", split, problem=problem))
                     continue
                 path = posixpath.join(split if split_dir else "", label, name)
-                if split == "train" and _held_out(key, cfg.val_fraction, cfg.seed):
+                if split == "train" and held_out(key, cfg.val_fraction, cfg.seed):
                     split_of_row = "val"
                 else:
                     split_of_row = split

@@ -189,12 +189,15 @@ def adversarial_stage(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from features.ingest.manifest import caption_key
     from features.scenegraph.files import read_graph_rows, read_negatives
     from features.text.stage import write_text_store
     from infra.files import atomic_path
 
     table = manifest.table.to_pylist()
-    image_of = {f"{r['key']}#{i}": r["key"] for r in table for i in range(len(r["captions"]))}
+    image_of = {
+        caption_key(r["key"], i): r["key"] for r in table for i in range(len(r["captions"]))
+    }
     split_of = {r["key"]: r["split"] for r in table}
     graphs = read_graph_rows(scene_graphs)
     rows = [g for g in graphs if split_of.get(image_of.get(g["key"])) in cfg.splits]

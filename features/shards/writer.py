@@ -3,7 +3,6 @@ scene graphs packed into tar files per split, ``sizes.json`` last."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from features.ingest.manifest import SPLITS, Manifest
+from features.ingest.manifest import SPLITS, Manifest, caption_key
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreError
 from infra.config import Section
@@ -62,10 +61,6 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     tar.addfile(info, io.BytesIO(data))
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_shards(
@@ -189,7 +184,7 @@ def _describe(store: Store) -> dict:
 
 def text_rows(text: Store, rows: list[dict]) -> dict[str, int]:
     """Row of each caption key (``<image>#<i>``) in the text store."""
-    keys = [f"{r['key']}#{j}" for r in rows for j in range(len(r["captions"]))]
+    keys = [caption_key(r["key"], j) for r in rows for j in range(len(r["captions"]))]
     return {k: text.index(k) for k in keys}
 
 
@@ -199,7 +194,7 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
         for g in range(0, len(chunk), cfg.images_per_group):
             group = chunk[g : g + cfg.images_per_group]
             key = f"{split}-{positions[group[0]['key']]:09d}"
-            captions = [f"{r['key']}#{j}" for r in group for j in range(len(r["captions"]))]
+            captions = [caption_key(r["key"], j) for r in group for j in range(len(r["captions"]))]
             meta = {
                 "keys": [r["key"] for r in group],
                 "index": [positions[r["key"]] for r in group],

@@ -72,6 +72,5 @@ def model_digest(folder: Path) -> str:
     for path in weights:
         h.update(str(path.relative_to(folder)).encode())
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+            hashlib.file_digest(f, lambda: h)  # the files' bytes, one after another, into h
     return h.hexdigest()

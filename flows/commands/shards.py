@@ -52,9 +52,10 @@ def arguments(p) -> None:
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.files import GRAPHS
-    from features.shards.writer import build_shards, file_digest, read_scene_graphs
+    from features.shards.writer import build_shards, read_scene_graphs
     from features.store.reader import Store
     from flows.commands.store import _storage_options
+    from infra.files import sha256_file
 
     manifest = read_manifest(Path(args.manifest))
     stores = {
@@ -67,7 +68,7 @@ def run(args, params) -> int:
     graphs = digest = None
     if args.scenegraphs:
         graphs = read_scene_graphs(Path(args.scenegraphs))
-        digest = file_digest(Path(args.scenegraphs) / GRAPHS)
+        digest = sha256_file(Path(args.scenegraphs) / GRAPHS)
     start = time.perf_counter()
     sizes = build_shards(
         manifest,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from features.ingest.manifest import caption_key
 from models.data.arrays import (
     _KeysAt,
     as_tensors,
@@ -58,7 +59,7 @@ class PairData:
         self.labels = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=np.int64)
         captions = table["captions"].to_pylist()
         self.caption_keys = [
-            f"{k}#{i}"
+            caption_key(k, i)
             for k, caps in zip(self.image_keys, captions, strict=True)
             for i in range(len(caps))
         ]

@@ -40,13 +40,13 @@ class ShardData:
     def __init__(self, url: str, data: PairData, cfg, storage_options: dict | None = None):
         from features.scenegraph.files import GRAPHS
         from features.shards.reader import check_sources, read_sizes, shard_names
-        from features.shards.writer import file_digest
+        from infra.files import sha256_file
 
         self.url, self.storage_options, self.data = str(url), storage_options, data
         sizes = read_sizes(self.url, storage_options)
         graphs = None
         if data.graphs is not None:
-            graphs = file_digest(Path(data.paths.scenegraphs) / GRAPHS)
+            graphs = sha256_file(Path(data.paths.scenegraphs) / GRAPHS)
         names = check_sources(self.url, sizes, data.manifest_digest, data.stores, graphs)
         self.names = names  # role ("regions", "text", ...) -> packed store name
         self.fields = {role: sizes["stores"][name]["fields"] for role, name in names.items()}
