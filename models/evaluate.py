@@ -59,7 +59,7 @@ def _encode(encode, kind: str, n: int, batch_size: int, batches) -> torch.Tensor
     return torch.cat(out)
 
 
-def refuse_non_finite(embeddings: torch.Tensor, keys, what: str) -> None:
+def refuse_non_finite_embeddings(embeddings: torch.Tensor, keys, what: str) -> None:
     """One line naming the first ``what`` (image or caption) whose embedding holds NaN or
     infinite values, by key when ``keys`` are known, else by position."""
     finite = finite_rows(embeddings)
@@ -86,7 +86,7 @@ def encode_images(model, data, batch_size: int, device, batches=None) -> torch.T
     """``(n_images, ...)`` image embeddings of ``data`` (a ``Batches`` of it, or a thread)."""
     with _batches(data, device, batches) as b:
         img = _encode(model.encode_image, "image", data.n_images, batch_size, b)
-    refuse_non_finite(img, getattr(data, "image_keys", None), "image")
+    refuse_non_finite_embeddings(img, getattr(data, "image_keys", None), "image")
     return img
 
 
@@ -94,7 +94,7 @@ def encode_texts(model, data, batch_size: int, device, n: int | None = None, bat
     """``(n_captions, D)`` caption embeddings of ``data`` (the first ``n`` if given)."""
     with _batches(data, device, batches) as b:
         txt = _encode(model.encode_text, "text", len(data) if n is None else n, batch_size, b)
-    refuse_non_finite(txt, getattr(data, "caption_keys", None), "caption")
+    refuse_non_finite_embeddings(txt, getattr(data, "caption_keys", None), "caption")
     return txt
 
 

@@ -320,12 +320,12 @@ class MVVSE(nn.Module):
     def loss(self, batch: dict) -> dict:
         img, txt = self.encode_image(batch), self.encode_text(batch)  # (B, K, D), (B, D)
         scores = view_scores(img, txt)  # (B, B, K): s(v_k, t), eq. 5
-        margin, kind = self.cfg.margin, self.cfg.loss
-        if kind == "avg":
+        margin, loss = self.cfg.margin, self.cfg.loss
+        if loss == "avg":
             return {"loss": mv_avg_triplet(scores, margin)}
-        if kind == "max":
+        if loss == "max":
             return {"loss": mv_max_triplet(scores, margin)}
-        if kind == "up":
+        if loss == "up":
             return {"loss": mv_up_triplet(scores, margin)}
         max_, up = mv_max_triplet(scores, margin), mv_up_triplet(scores, margin)
         lam = self.cfg.lambda_

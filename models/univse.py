@@ -247,11 +247,11 @@ class UniVSE(nn.Module):
         nn.init.uniform_(self.conv.weight, -r, r)
         nn.init.zeros_(self.conv.bias)
         # negative-sampling vocabularies (K, W) word ids; an all-zero row is never drawn
-        for kind in NEGATIVE_KINDS:
-            phrases = info.negatives.get(kind, []) or [[0]]
+        for component in NEGATIVE_KINDS:
+            phrases = info.negatives.get(component, []) or [[0]]
             width = max(len(p) for p in phrases)
             ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in phrases])
-            self.register_buffer(f"neg_{kind}", ids.long(), persistent=False)
+            self.register_buffer(f"neg_{component}", ids.long(), persistent=False)
 
     # ---- GloVe (sec. 3.2) ---------------------------------------------------------------
 

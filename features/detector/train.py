@@ -50,7 +50,7 @@ from features.detector.model import (
     image_loss,
 )
 from features.detector.weights import (
-    checkpoint_kind,
+    checkpoint_format,
     describe,
     load_exact,
     read_checkpoint,
@@ -80,18 +80,18 @@ def _initialise(model: nn.Module, cfg: DetectorConfig, log: Callable[[str], None
         return
     param = "detector.init_weights"
     obj = read_checkpoint(cfg.init_weights, param)
-    kind = checkpoint_kind(obj)
+    fmt = checkpoint_format(obj)
     source = f"{cfg.init_weights} ({describe(obj)})"
     what = f"the detector ({cfg.architecture})"
-    if kind == "classification":
+    if fmt == "classification":
         state = trunk_state(obj, param)
         if cfg.is_c4:
             head = {k[7:]: v for k, v in state.items() if k.startswith("layer4.")}
             load_exact(model.roi_heads.box_head.layer4, head, param, what, source)
             state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
         load_exact(model.backbone.body, state, param, what, source)
-    elif kind in ("detection", "vse-detector"):
-        state = obj["state_dict"] if kind == "vse-detector" else obj
+    elif fmt in ("detection", "vse-detector"):
+        state = obj["state_dict"] if fmt == "vse-detector" else obj
         own = model.state_dict()
         heads = ("roi_heads.box_predictor.", "roi_heads.attribute_head.", "image_head.")
         # a predictor (attribute head, image head) for another class list stays random

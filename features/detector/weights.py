@@ -99,7 +99,7 @@ def read_checkpoint(spec: str, param: str) -> dict:
     return obj
 
 
-def checkpoint_kind(obj: dict) -> str:
+def checkpoint_format(obj: dict) -> str:
     """``vse-detector``, ``detection``, ``classification`` or ``unknown``."""
     if obj.get("format") == "vse-detector":
         return "vse-detector"
@@ -142,12 +142,12 @@ def guess_resnet(keys: Iterable[str], prefix: str = "") -> str | None:
 
 def describe(obj: dict) -> str:
     """What a checkpoint looks like, for error messages."""
-    kind = checkpoint_kind(obj)
-    if kind == "vse-detector":
+    fmt = checkpoint_format(obj)
+    if fmt == "vse-detector":
         return f"a vse-detector checkpoint ({obj['config']['architecture']})"
-    if kind == "classification":
+    if fmt == "classification":
         return f"a {guess_resnet(obj) or 'ResNet'} classification state dict"
-    if kind == "detection":
+    if fmt == "detection":
         trunk = guess_resnet(obj, "backbone.body.") or "ResNet"
         if any(k.startswith("backbone.fpn.") for k in obj):
             v2 = "_v2" if any(k.startswith("rpn.head.conv.1.") for k in obj) else ""
@@ -195,11 +195,11 @@ def trunk_state(obj: dict, param: str) -> dict:
     """The ResNet trunk's weights (torchvision classification names, no ``fc``) of any
     recognised checkpoint: classification, detection (``backbone.body.*`` plus a C4
     ``roi_heads.box_head.layer4.*``) or vse-detector."""
-    kind = checkpoint_kind(obj)
-    state = obj["state_dict"] if kind == "vse-detector" else obj
-    if kind == "classification":
+    fmt = checkpoint_format(obj)
+    state = obj["state_dict"] if fmt == "vse-detector" else obj
+    if fmt == "classification":
         return {k: v for k, v in state.items() if not k.startswith("fc.")}
-    if kind in ("detection", "vse-detector"):
+    if fmt in ("detection", "vse-detector"):
         out = {}
         for k, v in state.items():
             if k.startswith("backbone.body."):

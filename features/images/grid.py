@@ -18,7 +18,7 @@ from features.detector.model import (
     resnet_depth,
 )
 from features.detector.weights import (
-    checkpoint_kind,
+    checkpoint_format,
     describe,
     load_exact,
     read_checkpoint,
@@ -47,7 +47,7 @@ def build_trunk(cfg: GridConfig) -> ResNetTrunk:
     torch.manual_seed(cfg.seed)
     arch = cfg.architecture
     obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
-    if obj is not None and checkpoint_kind(obj) == "vse-detector":
+    if obj is not None and checkpoint_format(obj) == "vse-detector":
         found = f"resnet{resnet_depth(obj['config']['architecture'])}"
         check_conflict(
             "grid.architecture", arch, found, f"{cfg.weights} (a vse-detector checkpoint)"

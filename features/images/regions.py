@@ -33,7 +33,7 @@ from features.detector.model import (
 )
 from features.detector.weights import (
     WeightsError,
-    checkpoint_kind,
+    checkpoint_format,
     describe,
     load_exact,
     read_checkpoint,
@@ -67,9 +67,9 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     param = "regions.weights"
     torch.manual_seed(cfg.seed)
     obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
-    kind = checkpoint_kind(obj) if obj is not None else None
+    fmt = checkpoint_format(obj) if obj is not None else None
     overrides = {"rpn_post_nms_test": cfg.proposals}
-    if kind == "vse-detector":
+    if fmt == "vse-detector":
         source = f"{cfg.weights} (a vse-detector checkpoint)"
         check_conflict(
             "regions.architecture", cfg.architecture, obj["config"]["architecture"], source
@@ -80,7 +80,7 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
         return model.eval()
     arch = cfg.architecture or DEFAULT_DETECTOR
     num_classes = cfg.num_classes
-    if kind == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
+    if fmt == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
         found = obj["roi_heads.box_predictor.cls_score.weight"].shape[0]
         check_conflict(
             "regions.num_classes", num_classes, found, f"{cfg.weights} ({describe(obj)})"
@@ -92,9 +92,9 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     what = f"the regions detector ({arch})"
     if obj is None:
         warn_random_init("regions", cfg.seed)
-    elif kind == "detection":
+    elif fmt == "detection":
         load_exact(model, obj, param, what, f"{cfg.weights} ({describe(obj)})")
-    elif kind == "classification":
+    elif fmt == "classification":
         _load_imagenet_trunk(model, obj, cfg.weights, arch)
     else:
         raise WeightsError(

@@ -57,7 +57,7 @@ def _image_concepts(graphs: Sequence[dict]) -> dict[str, set[str]]:
     return out
 
 
-def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str, dict] | None:
+def _attack(attack: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str, dict] | None:
     """One fake caption and its scene graph, or None when this try found no edit."""
     graph = {k: copy.deepcopy(row[k]) for k in ("objects", "attributes", "relations")}
     text = row["caption"]
@@ -66,7 +66,7 @@ def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str
         options = [w for w in vocab[pool] if w not in concepts[pool]]
         return options[rng.integers(len(options))] if options else None
 
-    if kind == "object":
+    if attack == "object":
         noun = pick("nouns")
         if noun is None:
             return None
@@ -79,7 +79,7 @@ def _attack(kind: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str
         else:
             text = f"{text} and a {noun}"
             graph["objects"].append({"span": noun, "head": noun, "lemma": noun})
-    elif kind == "attribute":
+    elif attack == "attribute":
         adjective = pick("adjectives")
         if adjective is None or not graph["objects"]:
             return None
@@ -145,21 +145,21 @@ def adversarial_captions(
         concepts = _image_concepts(by_image[image])
         seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}:{row['key']}".encode()).digest()[:8])
         rng = np.random.default_rng(seed)
-        for kind in ATTACKS:
+        for attack in ATTACKS:
             made: set[str] = set()
             for _ in range(cfg.max_tries):
                 if len(made) == cfg.per_caption:
                     break
-                fake = _attack(kind, row, concepts, vocab, rng)
+                fake = _attack(attack, row, concepts, vocab, rng)
                 if fake is None or fake[0] in made:
                     continue
                 made.add(fake[0])
                 out.append(
                     {
-                        "key": f"{row['key']}~{kind}~{len(made) - 1}",
+                        "key": f"{row['key']}~{attack}~{len(made) - 1}",
                         "source": row["key"],
                         "image": image,
-                        "attack": kind,
+                        "attack": attack,
                         "caption": fake[0],
                         **fake[1],
                     }

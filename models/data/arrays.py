@@ -129,7 +129,7 @@ class _KeysAt:
         return self.keys[int(self.positions[i])]
 
 
-def refuse_non_finite(batch: dict, urls: dict, image_keys, caption_keys) -> None:
+def refuse_non_finite_inputs(batch: dict, urls: dict, image_keys, caption_keys) -> None:
     """One line naming the store, field and key of the first sample of ``batch`` (a raw
     batch, rows aligned with ``image_keys`` / ``caption_keys``) whose float input holds NaN
     or infinite values: a model never trains or is evaluated on them. One vectorised pass

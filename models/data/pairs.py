@@ -20,7 +20,7 @@ from models.data.arrays import (
     image_arrays,
     phrase_ids,
     put,
-    refuse_non_finite,
+    refuse_non_finite_inputs,
     scene_graph_batch,
     text_arrays,
 )
@@ -134,8 +134,8 @@ class PairData:
             self.graphs = read_graphs(folder, self.caption_keys)
             negatives = read_negatives(folder)
             info["negatives"] = {
-                kind: [phrase_ids(p, self.word_index) for p in phrases]
-                for kind, phrases in negatives.items()
+                component: [phrase_ids(p, self.word_index) for p in phrases]
+                for component, phrases in negatives.items()
             }
         self.info = DataInfo(**info)
         self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see standardize
@@ -211,7 +211,7 @@ class PairData:
             }
         else:
             raise ValueError(f"unknown batch kind {kind!r}: image, text or pair")
-        refuse_non_finite(
+        refuse_non_finite_inputs(
             out,
             {role: store.url for role, store in self.stores.items()},
             _KeysAt(self.image_keys, images),

@@ -13,7 +13,7 @@ from models.data.arrays import (
     _KeysAt,
     image_arrays,
     put,
-    refuse_non_finite,
+    refuse_non_finite_inputs,
     scene_graph_batch,
     text_arrays,
 )
@@ -186,7 +186,7 @@ class ShardData:
             out.update({k: v.numpy() for k, v in batch.items()})
         out["caption_image"] = put(alloc, index)
         keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image
-        refuse_non_finite(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
+        refuse_non_finite_inputs(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
         return out
 
     @staticmethod
