@@ -186,7 +186,9 @@ class ShardData:
             out.update({k: v.numpy() for k, v in batch.items()})
         out["caption_image"] = put(alloc, index)
         keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image
-        refuse_non_finite_inputs(out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys)
+        refuse_non_finite_inputs(
+            out, {role: self.url for role, _ in FLOAT_INPUTS.values()}, keys, keys
+        )
         return out
 
     @staticmethod
