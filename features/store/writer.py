@@ -13,7 +13,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numcodecs
 import numpy as np
 import zarr
@@ -23,7 +22,6 @@ from features.store.integrity import (
     file_checksum,
     local_fs,
     read_checksums,
-    readonly_view,
     store_files,
 )
 from features.store.layout import (
@@ -40,6 +38,7 @@ from features.store.layout import (
     write_every_chunk,
 )
 from features.store.locks import same_file, utc_now
+from features.store.raw import write_raw_shard
 from features.store.spec import (
     RAGGED_ROWS_PER_SAMPLE,
     SCHEMA_VERSION,
@@ -470,7 +469,7 @@ class StoreWriter:
                 )
             rel = chunk_key(name, shard, array.ndim)
             if self.cfg.compression == "none":
-                files[rel] = self._write_raw_shard(rel, array)
+                files[rel] = write_raw_shard(self.path / rel, array, *self._dense_chunking)
             else:
                 self.group[name][start:stop] = array
                 files[rel] = ""
@@ -488,6 +487,11 @@ class StoreWriter:
         self._write_marker(shard, json.dumps(marker, sort_keys=True))
         self.committed.add(shard)
 
+    @property
+    def _dense_chunking(self) -> tuple[int, int]:
+        """Samples per chunk and per shard file of a dense field."""
+        return self.cfg.samples_per_chunk, self.cfg.samples_per_shard
+
     def _write_marker(self, shard: int, text: str) -> None:
         """Commit shard ``shard``: its marker, the chunk Zarr writes for ``commits[shard] =
         text`` (vlen-utf8, then zstd level 0: the same bytes, tested), by atomic rename."""
@@ -498,38 +502,6 @@ class StoreWriter:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
         tmp.write_bytes(bytes(data))
         os.replace(tmp, path)
-
-    def _write_raw_shard(
-        self, rel: str, array: np.ndarray, chunk: int | None = None, per_shard: int | None = None
-    ) -> str:
-        """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``;
-        a dense field's by default) as Zarr's sharding codec lays it out (the chunks along
-        axis 0 back to back, then the index: (offset, nbytes) uint64 per chunk, absent
-        ones all ones, and the index's CRC-32C), by atomic rename; returns its checksum.
-        The same bytes Zarr writes (tested), without its per-chunk encoding, and
-        checksummed as written rather than read back."""
-        chunk = chunk or self.cfg.samples_per_chunk
-        per_shard = per_shard or self.cfg.samples_per_shard
-        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        present = -(-len(array) // chunk)
-        chunk_bytes = chunk * array[0].nbytes if len(array) else 0
-        index = np.full((per_shard // chunk, 2), np.iinfo(np.uint64).max, dtype="<u8")
-        index[:present, 0] = np.arange(present, dtype=np.uint64) * chunk_bytes
-        index[:present, 1] = chunk_bytes
-        tail = index.tobytes()
-        tail += google_crc32c.value(tail).to_bytes(4, "little")
-        padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
-        crc = google_crc32c.value(readonly_view(array))
-        crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
-        path = self.path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        with open(tmp, "wb") as f:
-            array.tofile(f)
-            f.write(padding)
-            f.write(tail)
-        os.replace(tmp, path)
-        return f"crc32c:{crc:08x}"
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
         if len(samples) != stop - start:
@@ -544,7 +516,7 @@ class StoreWriter:
         offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         rel = chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
         if raw:
-            files[rel] = self._write_raw_shard(rel, offsets)
+            files[rel] = write_raw_shard(self.path / rel, offsets, *self._dense_chunking)
         else:
             self.group[f"{name}_offsets"][start:stop] = offsets
             files[rel] = ""
@@ -572,7 +544,7 @@ class StoreWriter:
                         count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
                     )
                     rows = np.concatenate([kept.reshape(first - lo, *spec.shape), rows])
-                files[rel] = self._write_raw_shard(rel, rows, chunk_rows, shard_rows)
+                files[rel] = write_raw_shard(self.path / rel, rows, chunk_rows, shard_rows)
             if not raw:
                 values[first:last] = flat
         return [int(first), int(last)]
