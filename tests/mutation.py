@@ -34,26 +34,26 @@ EQUIVALENT = REPO / "tests" / "mutation_equivalent.txt"
 TARGETS = [
     "models.metrics.*",  # R@K, medr, meanr, rsum, folds
     "models.evaluate.*",  # evaluation: whole split, folds, adversarial, classification
-    "models.report.x_chance_rsum*",  # the report's numbers and table
-    "models.report.x__fmt*",
-    "models.report.x_markdown_table*",
+    "models.report.table.x_chance_rsum*",  # the report's numbers and table
+    "models.report.table.x__fmt*",
+    "models.report.table.x_markdown_table*",
     "models.common.*",  # the losses' shared parts (hinge, similarities, pooling)
     "models.vsepp.*",  # the five models and their losses
     "models.mvvse.*",
     "models.camera.*",
     "models.huse.*",
     "models.univse.*",
-    "features.visual.x_butd_select*",  # bottom-up-attention region selection
-    "features.visual.x__max_conf_from*",
-    "features.visual.x__grouped_nms*",
-    "features.sbert_stats.x_pairwise_similarities*",  # Sentence-BERT caption statistics
-    "features.sbert_stats.x_summarise*",
-    "features.sbert_stats.x_caption_statistics*",
-    "features.detector_train.x_average_precision*",  # detector metrics
-    "features.detector_train.x_voc_ap_per_class*",
-    "features.detector_train.x__recall*",
-    "features.detector_train.x_evaluate_detector*",
-    "features.precomp.*",  # precomp and bottom-up-attention TSV import/export
+    "features.images.select.x_butd_select*",  # bottom-up-attention region selection
+    "features.images.select.x__max_conf_from*",
+    "features.images.select.x__grouped_nms*",
+    "features.text.sbert_stats.x_pairwise_similarities*",  # Sentence-BERT caption statistics
+    "features.text.sbert_stats.x_summarise*",
+    "features.text.sbert_stats.x_caption_statistics*",
+    "features.detector.metrics.x_average_precision*",  # detector metrics
+    "features.detector.metrics.x_voc_ap_per_class*",
+    "features.detector.metrics.x__recall*",
+    "features.detector.metrics.x_evaluate_detector*",
+    "features.exchange.*",  # precomp and bottom-up-attention TSV import/export
 ]
 
 LINE = re.compile(r"^\s+(\S+): (.+)$")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from model_data import TinyPairs
 
+from infra.device import autocast
 from models.common import (
     GRUText,
     TrainConfig,
-    autocast,
     cosine_sim,
     dot_sim,
     hinge_triplet,

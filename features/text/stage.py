@@ -40,7 +40,7 @@ from features.text.vocab import (
     word_salience,
 )
 from infra.config import Section
-from infra.device import Device
+from infra.device import Device, autocast
 
 TEXT_VERSION = "1"
 
@@ -110,7 +110,7 @@ class BertTexts:
             mask[row, : len(i)] = 1
         with (
             torch.no_grad(),
-            torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"),
+            autocast(self.device),
         ):
             out = self.model(
                 input_ids=batch.to(self.device),
