@@ -1,4 +1,4 @@
-"""Resumable training, shared by the detector (:mod:`features.detector_train`) and the
+"""Resumable training, shared by the detector (:mod:`features.detector.train`) and the
 retrieval models (:mod:`models.train`): what ``last.pt`` holds besides the run's own
 fields, and how a ``--resume`` run restores it, so that it ends bit-identical to an
 uninterrupted run."""

@@ -49,7 +49,7 @@ class EvaluateConfig(Section):
 @torch.no_grad()
 def _encode(encode, kind: str, n: int, batch_size: int, batches) -> torch.Tensor:
     """``encode`` of items ``0..n-1`` of ``batches.source`` in batches of ``kind``, read
-    through the data path of training (:class:`models.batches.Batches`)."""
+    through the data path of training (:class:`models.data.batches.Batches`)."""
     idx = np.arange(n)
     tasks = [(kind, idx[i : i + batch_size]) for i in range(0, n, batch_size)]
     out = []
@@ -75,7 +75,7 @@ def refuse_non_finite_embeddings(embeddings: torch.Tensor, keys, what: str) -> N
 
 
 def _batches(data, device, batches):
-    """``batches`` as a context manager, or a new :class:`models.batches.Batches` of ``data``
+    """``batches`` as a context manager, or a new :class:`models.data.batches.Batches` of ``data``
     (a thread) that is closed after use."""
     from models.data.batches import Batches
 
@@ -100,7 +100,7 @@ def encode_texts(model, data, batch_size: int, device, n: int | None = None, bat
 
 def evaluate_split(model, data, batch_size: int, device, batches=None) -> dict[str, float]:
     """Retrieval metrics of ``model`` on all images and captions of ``data`` (read through
-    ``batches``, a :class:`models.batches.Batches` of ``data``, or a new one)."""
+    ``batches``, a :class:`models.data.batches.Batches` of ``data``, or a new one)."""
     model.eval()
     img = encode_images(model, data, batch_size, device, batches)
     txt = encode_texts(model, data, batch_size, device, batches=batches)

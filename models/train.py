@@ -7,7 +7,7 @@ rank 0 evaluates on the validation split (rsum), writes ``last.pt`` (everything 
 resume) and, when rsum improves, ``best.pt`` (the model only). A non-finite loss stops
 training with an error naming its epoch and step; the last good checkpoint stays.
 
-Batches are built ahead of the step (:class:`models.batches.Batches`: ``train.num_workers``
+Batches are built ahead of the step (:class:`models.data.batches.Batches`: ``train.num_workers``
 processes or a thread, ``train.prefetch`` deep) and the step does not wait for the device:
 loss parts are summed on the device, and the non-finite check (a flag kept on the
 device) is read every ``CHECK_EVERY`` steps and at the end of the epoch.

@@ -482,7 +482,7 @@ def test_each_source_is_read_once_by_the_configured_readers(monkeypatch):
             made.append((source, options))
             super().__init__(source, device, **options)
 
-    monkeypatch.setattr(models.batches, "Batches", Counted)
+    monkeypatch.setattr(models.data.batches, "Batches", Counted)
     data, adversarial = hand_split()
     cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu", prefetch=3)
     report = evaluate_model(Embeddings(), data, cfg, torch.device("cpu"), adversarial)

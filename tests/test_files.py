@@ -133,7 +133,7 @@ def test_shards_build_killed_anywhere(inputs, tmp_path):
 def test_import_precomp_killed_anywhere(inputs, tmp_path):
     _, p, precomp_args, _ = inputs
     argv = ["--params", p, *precomp_args, "--manifest", "{dir}/m.parquet", "--out", "{dir}/r.zarr"]
-    check_kills(tmp_path, argv, ["m.parquet", "r.zarr"], ["features.precomp"])
+    check_kills(tmp_path, argv, ["m.parquet", "r.zarr"], ["features.exchange.precomp"])
 
 
 def test_export_precomp_and_report_killed_anywhere(inputs, tmp_path):
@@ -141,7 +141,7 @@ def test_export_precomp_and_report_killed_anywhere(inputs, tmp_path):
     argv = ["store", "export-precomp", str(root / "pr.zarr"), "--manifest"]
     argv += [str(root / "pm.parquet"), "--split", "train", "--out", "{dir}/e"]
     outs = [f"e/train_{x}" for x in ("ims.npy", "caps.txt", "ids.txt")]
-    check_kills(tmp_path / "export", argv, outs, ["features.precomp", "zarr"])
+    check_kills(tmp_path / "export", argv, outs, ["features.exchange.precomp", "zarr"])
     argv = ["report", *map(str, results), "--out", "{dir}/models.md", "--plot", "{dir}/m.png"]
     check_kills(tmp_path / "report", argv, ["models.md", "m.png"], MATPLOTLIB)
 

@@ -239,7 +239,7 @@ def build_detector_model(
     """The Faster R-CNN of ``cfg.architecture`` with ``num_classes`` (background included)
     and, if ``num_attributes``, the attribute head; random init (seeded by the caller).
 
-    Image resizing and normalisation are the caller's (:mod:`features.visual`): the
+    Image resizing and normalisation are the caller's (:mod:`features.images`): the
     model's own transform is never used, so images go straight to ``model.backbone``.
     """
     arch = cfg.architecture

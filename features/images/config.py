@@ -1,5 +1,5 @@
 """Configs of the image extraction stages (``regions``, ``grid`` in params.yaml), apart
-from :mod:`features.visual` so that reading params imports no torch."""
+from :mod:`features.images` so that reading params imports no torch."""
 
 from __future__ import annotations
 

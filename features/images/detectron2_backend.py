@@ -8,7 +8,7 @@ installed torch (it is not on PyPI):
 ``pip install 'git+https://github.com/facebookresearch/detectron2.git'``.
 
 Only the forward pass differs from the torchvision backend; resizing, region selection
-(:func:`features.visual.butd_select`) and packing are shared.
+(:func:`features.images.select.butd_select`) and packing are shared.
 """
 
 from __future__ import annotations

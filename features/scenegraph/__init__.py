@@ -67,7 +67,7 @@ conjoined with a verb ("holds a baby and smiles"), "X with A and B" lists and pa
 (:func:`normalise_case`).
 
 The stage (:func:`extract_scene_graphs`; its folder is written by
-:mod:`features.scenegraph_files`) loads only the
+:mod:`features.scenegraph.files`) loads only the
 components the rules read (:func:`load_pipeline`), parses in batches (``nlp.pipe``,
 optionally in worker processes) and keeps its throughput out of its outputs.
 """

@@ -3,8 +3,8 @@ an attribute head (Anderson et al. 2018), whose checkpoint ``regions`` and ``gri
 
 One of ``--manifest`` (a manifest with boxes: the demo), ``--coco`` (COCO instances JSON,
 optional ``--coco-val``) or ``--vg-objects`` (Visual Genome, optional ``--vg-attributes``)
-gives the boxes; the readers are in :mod:`features.detection_data`, training and the val
-metrics in :mod:`features.detector_train`.
+gives the boxes; the readers are in :mod:`features.detector.data`, training and the val
+metrics in :mod:`features.detector.train`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ numpy arrays in the stored dtypes (float16 features, int32 ids widened to int64)
 gathered with one vectorised copy per field (:meth:`features.store.Store.gather`),
 into memory the caller provides. :func:`finish` makes it what the models read: float32,
 image inputs standardised, on the device; it runs once, on the GPU when there is one
-(:mod:`models.batches` runs both steps ahead of the training loop). The sources:
+(:mod:`models.data.batches` runs both steps ahead of the training loop). The sources:
 :class:`PairData` (the feature stores, memory-mapped) and
 :class:`ShardData` (WebDataset shards built from the same stores).
 """
