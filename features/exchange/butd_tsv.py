@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -110,20 +110,42 @@ def _read_tsv_row(path: Path, offset: int, line_no: int) -> dict:
     }
 
 
-def match_keys(keys: list[str], ids: Iterable[str]) -> dict[str, str]:
-    """Manifest key -> TSV image id, exactly or by the key's trailing integer."""
-    ids = set(ids)
-    by_number = {}
+def match_keys(keys: list[str], ids: Mapping[str, str]) -> dict[str, str]:
+    """Manifest key -> file image id: the key itself, or else the id that is the key's
+    trailing integer (COCO file stems end in the image id: ``391895`` for
+    ``COCO_val2014_000000391895``). Each id maps to ONE key and each key to ONE id, or
+    :class:`IngestError` names the id (or key) and its candidates in one line: an id ``1``
+    next to keys ``train_00001`` and ``val_00001`` is not guessed at. ``ids`` maps each id
+    to where it was read (``file:line``), which the error names."""
+    by_number: dict[int, list[str]] = {}
     for image_id in ids:
-        if image_id.isdigit():
-            by_number[int(image_id)] = image_id
-    matched = {}
+        if image_id.isascii() and image_id.isdigit():
+            by_number.setdefault(int(image_id), []).append(image_id)
+    matched: dict[str, str] = {}
+    claimed: dict[str, list[str]] = {}  # id -> the keys it matched
     for key in keys:
         if key in ids:
-            matched[key] = key
-        elif m := re.search(r"(\d+)$", key):
-            if int(m.group(1)) in by_number:
-                matched[key] = by_number[int(m.group(1))]
+            image_id = key
+        elif (m := re.search(r"(\d+)$", key)) and int(m.group(1)) in by_number:
+            candidates = sorted(by_number[int(m.group(1))])
+            if len(candidates) > 1:
+                raise IngestError(
+                    f"{ids[candidates[0]]}: manifest key {key!r} matches image ids {candidates} by its "
+                    "trailing number; keep one of those rows, or name the rows by manifest key"
+                )
+            image_id = candidates[0]
+        else:
+            continue
+        matched[key] = image_id
+        claimed.setdefault(image_id, []).append(key)
+    for image_id, owners in claimed.items():
+        if len(owners) > 1:
+            shown = ", ".join(owners[:5]) + (", ..." if len(owners) > 5 else "")
+            raise IngestError(
+                f"{ids[image_id]}: image id {image_id!r} matches {len(owners)} manifest keys "
+                f"({shown}); name the rows by manifest key, or import each split with a "
+                "manifest of that split only"
+            )
     return matched
 
 
@@ -145,7 +167,7 @@ def import_butd_tsv(
         raise IngestError(f"--max-regions {max_regions}: expected 1 or more")
     keys = manifest.table["key"].to_pylist()
     index = index_tsv(files)
-    matched = match_keys(keys, index)
+    matched = match_keys(keys, {i: f"{p}:{line}" for i, (p, _, line) in index.items()})
     if not matched:
         raise IngestError(
             f"{files[0]}: no TSV image_id matches a manifest key "
