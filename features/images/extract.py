@@ -283,7 +283,7 @@ def report_bad_images(
     The metrics hold counts only: DVC hashes them, so nothing depends on run time."""
     from features.ingest.manifest import IngestError
     from features.ingest.validate import Issue, Report, write_errors
-    from features.store.writer import withdraw_store
+    from features.store.layout import withdraw_store
     from infra.files import write_json
 
     store = Store.open(store_path)

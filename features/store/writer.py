@@ -590,18 +590,3 @@ class StoreWriter:
             if rel not in files and rel != CHECKSUMS_CHUNK:
                 files[rel] = file_checksum(path.read_bytes())
         manifest[0] = checksums_text(files)
-
-
-def withdraw_store(path: str | Path) -> Path | None:
-    """Take a complete store off its path after its stage failed (issue 25.4): it moves
-    back to ``<path>.incomplete``, the writer's own folder, so nothing is published at
-    ``path``, and a rerun with the same inputs resumes from its committed shards (others
-    start it over). Returns where it went, or None if ``path`` held no store."""
-    from features.store.layout import incomplete_path
-
-    path = Path(path)
-    if not (path / "zarr.json").is_file():
-        return None
-    aside = incomplete_path(path)
-    replace_dir(path, aside)
-    return aside
