@@ -196,10 +196,51 @@ def test_import_butd_tsv(tmp_path):
 
 def test_match_keys_by_trailing_id():
     keys = ["COCO_val2014_000000391895", "1000092795", "noid"]
-    assert match_keys(keys, ["391895", "1000092795"]) == {
+    assert match_keys(keys, {"391895": "a:1", "1000092795": "a:2"}) == {
         "COCO_val2014_000000391895": "391895",
         "1000092795": "1000092795",
     }
+
+
+def test_an_id_matching_several_keys_stops_the_import_in_one_line(tmp_path):
+    """Issue 25.3: TSV id ``1`` once matched train_00001, val_00001 and test_00001 and
+    gave all three the same row."""
+    keys = ["train_00001", "val_00001", "test_00001", "test_00002"]
+    with pytest.raises(IngestError) as err:
+        match_keys(keys, {"1": "a.tsv:7", "2": "a.tsv:8"})
+    assert str(err.value) == (
+        "a.tsv:7: image id '1' matches 3 manifest keys (train_00001, val_00001, test_00001); "
+        "name the rows by manifest key, or import each split with a manifest of that split only"
+    )
+    # an exact key and a trailing number claiming the same id: ambiguous too
+    with pytest.raises(IngestError, match="image id '7' matches 2 manifest keys \\(7, val_7\\)"):
+        match_keys(["7", "val_7"], {"7": "a.tsv:1"})
+    # two ids with the same number (``01`` and ``1``): the key is not guessed at either
+    with pytest.raises(IngestError) as err:
+        match_keys(["img_1"], {"01": "a.tsv:1", "1": "a.tsv:2"})
+    assert str(err.value).startswith(
+        "a.tsv:1: manifest key 'img_1' matches image ids ['01', '1'] by its trailing number"
+    )
+    # each key exactly once: the full key wins over numbers, no error
+    assert match_keys(["val_7", "train_7"], {"val_7": "x", "train_7": "y", "7": "z"}) == {
+        "val_7": "val_7",
+        "train_7": "train_7",
+    }
+    # through the importer: nothing is written
+    manifest = tsv_manifest(tmp_path, 2)  # test_000000, test_000001
+    rng = np.random.default_rng(0)
+    (tmp_path / "a.tsv").write_text(
+        tsv_line(1, rng.random((2, 4)), rng.random((2, 8)))
+        + tsv_line("000001", rng.random((2, 4)), rng.random((2, 8)))
+    )
+    with pytest.raises(IngestError) as err:
+        import_butd_tsv([tmp_path / "a.tsv"], manifest, tmp_path / "r.zarr", CFG)
+    assert str(err.value) == (
+        f"{tmp_path / 'a.tsv'}:2: manifest key 'test_000001' matches image ids "
+        "['000001', '1'] by its trailing number; keep one of those rows, or name the rows by "
+        "manifest key"
+    )
+    assert not (tmp_path / "r.zarr").exists()
 
 
 def test_cli_import_and_export(tmp_path, repo_root, monkeypatch):

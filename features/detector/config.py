@@ -40,6 +40,9 @@ class DetectorConfig(Section):
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # COCO/VG without a val file: held out
     max_classes: int = Field(1600, ge=1)  # most frequent object names kept (Visual Genome)
     max_attributes: int = Field(400, ge=0)  # most frequent attribute names kept
+    # malformed annotations are dropped and reported (OUT/errors.csv); more than this
+    # fraction of them fails the stage, as prepare.max_error_fraction does
+    max_error_fraction: float = Field(0.01, ge=0.0, le=1.0)
     # architecture (see features/detector/model.py)
     architecture: DetectorArchitecture = "resnet101_c4"
     init_weights: str | None = None  # ImageNet or torchvision detection weights; none: scratch

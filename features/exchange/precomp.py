@@ -251,6 +251,18 @@ def _rows(parts: list[np.ndarray], starts: np.ndarray, start: int, stop: int) ->
     return np.concatenate(out)
 
 
+def store_indices(store, keys: list[str]) -> np.ndarray:
+    """The store rows of ``keys``, or a one-line error naming a key the store lacks."""
+    from features.store.spec import StoreError
+
+    try:
+        return np.array([store.index(key) for key in keys], dtype=np.int64)
+    except KeyError as err:
+        raise StoreError(
+            f"{err.args[0]}; export with the manifest the store was built from"
+        ) from None
+
+
 def export_precomp(
     store,
     manifest: Manifest,
@@ -269,15 +281,9 @@ def export_precomp(
             f"split {split}: images have {sorted(counts)} captions; the precomp "
             "layout needs the same number for every image"
         )
-    from features.store.spec import StoreError
     from infra.files import atomic_path, write_text
 
-    try:
-        index = np.array([store.index(r["key"]) for r in table], dtype=np.int64)
-    except KeyError as err:
-        raise StoreError(
-            f"{err.args[0]}; export with the manifest the store was built from"
-        ) from None
+    index = store_indices(store, [r["key"] for r in table])
     dim = store.fields["features"].shape[-1]
     # each file is written aside and moved into place whole
     with atomic_path(out_dir / f"{name}_ims.npy") as tmp:

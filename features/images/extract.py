@@ -207,6 +207,11 @@ def extract_images(
                     fields_list = ", ".join(bad)
                     item["error"] = (NON_FINITE, f"{fields_list}: NaN or infinite values")
                     continue
+                if short := _short_of_min_boxes(extractor, result):
+                    if short[0] == NO_REGIONS:  # nothing to train on: stored empty
+                        item["error"] = short
+                        continue
+                    notes[rows[item["index"]]["key"]] = list(short)
                 done[item["index"]] = {**result, "valid": np.uint8(1)}
             for item in batch:
                 if item["error"] is not None:
@@ -232,6 +237,27 @@ def extract_images(
     return timing
 
 
+NO_REGIONS = "no_regions"  # an error: the image is stored empty (valid = 0)
+FEW_REGIONS = "few_regions"  # a warning: the image keeps its regions
+WARNINGS = {FEW_REGIONS}
+
+
+def _short_of_min_boxes(extractor, result: dict) -> tuple[str, str] | None:
+    """The note of an image with fewer regions than ``regions.min_boxes`` (issue 25.4).
+    The selection already keeps the top proposals regardless of the threshold up to
+    ``min_boxes`` (as bottom-up-attention's ``generate_tsv.py`` does), so an image is short
+    only when the detector proposed fewer boxes than that: none is an error, some a
+    warning. Given boxes (``regions.boxes_from``) are never short."""
+    min_boxes = getattr(getattr(extractor, "cfg", None), "min_boxes", 0)
+    if not min_boxes or getattr(extractor, "given", False) or "n_regions" not in result:
+        return None
+    n = int(result["n_regions"])
+    if n >= min_boxes:
+        return None
+    reason = NO_REGIONS if n == 0 else FEW_REGIONS
+    return reason, f"{n} regions < min_boxes {min_boxes}: the detector proposed {n} boxes"
+
+
 def _wait(write: Future | None, timing: Timing) -> None:
     """Wait for the previous shard write (re-raising its error); time spent waiting is
     what writing costs on top of inference."""
@@ -250,21 +276,27 @@ def report_bad_images(
     log: Callable[[str], None] = print,
 ) -> dict:
     """The errors CSV and metrics JSON of an image stage, from the notes the store's
-    shards keep (so a resumed run reports every bad image); too many fail the stage.
-    ``extra`` joins the metrics (e.g. :func:`region_recall`). The metrics hold counts
-    only: DVC hashes them, so nothing depends on run time."""
+    shards keep (so a resumed run reports every bad image); too many fail the stage,
+    and then the store is withdrawn from its path (:func:`withdraw_store`: a failed stage
+    publishes nothing; a rerun resumes). Warnings (``few_regions``) are reported but do
+    not count as bad images. ``extra`` joins the metrics (e.g. :func:`region_recall`).
+    The metrics hold counts only: DVC hashes them, so nothing depends on run time."""
     from features.ingest.manifest import IngestError
-    from features.ingest.validate import Report, write_errors
+    from features.ingest.validate import Issue, Report, write_errors
+    from features.store.layout import withdraw_store
     from infra.files import write_json
 
     store = Store.open(store_path)
     n = len(store)
     report = Report(records_read=n, records_kept=n)
     for key, (reason, detail) in sorted(store.notes().items()):
-        report.error(key, reason, detail)
+        if reason in WARNINGS:
+            report.warnings.append(Issue(key, reason, detail))
+        else:
+            report.error(key, reason, detail)
     write_errors(report, errors)
     counts: dict[str, int] = {}
-    for issue in report.errors:
+    for issue in report.errors + report.warnings:
         counts[issue.reason] = counts.get(issue.reason, 0) + 1
     summary = {
         "images": n,
@@ -277,9 +309,11 @@ def report_bad_images(
     listing = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
     log(f"extract: bad images: {listing} (report: {errors})")
     if report.error_fraction > max_error_fraction:
+        withdraw_store(store_path)
         raise IngestError(
             f"{len(report.errors)} of {n} images ({report.error_fraction:.2%}) could not be "
-            f"used, more than max_error_fraction = {max_error_fraction:.2%}; see {errors}"
+            f"used, more than max_error_fraction = {max_error_fraction:.2%}; see {errors} "
+            f"({store_path} withdrawn: a rerun resumes it)"
         )
     return summary
 

@@ -57,3 +57,18 @@ def incomplete_path(path: str | Path) -> Path:
     every shard is committed (so a store at its own path is always complete)."""
     path = Path(path)
     return path.with_name(path.name + INCOMPLETE)
+
+
+def withdraw_store(path: str | Path) -> Path | None:
+    """Take a complete store off its path after its stage failed (issue 25.4): it moves
+    back to ``<path>.incomplete``, the writer's own folder, so nothing is published at
+    ``path``, and a rerun with the same inputs resumes from its committed shards (others
+    start it over). Returns where it went, or None if ``path`` held no store."""
+    from infra.files import replace_dir
+
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        return None
+    aside = incomplete_path(path)
+    replace_dir(path, aside)
+    return aside

@@ -72,7 +72,12 @@ class Provenance:
 
 
 # Field sets of the store kinds that extractors write. Shapes are per sample.
-def regions_fields(max_regions: int, dim: int, *, boxes: bool = True) -> dict[str, FieldSpec]:
+def regions_fields(
+    max_regions: int, dim: int, *, boxes: bool = True, labels: tuple[str, ...] = ()
+) -> dict[str, FieldSpec]:
+    """``labels``: ``"objects"`` and/or ``"attrs"``, the detector's class id (-1 past
+    ``n_regions``) and confidence of each region (bottom-up-attention's Visual Genome
+    1600 objects / 400 attributes), as in LXMERT's obj36 files."""
     fields = {
         "features": FieldSpec((max_regions, dim), "float16"),
         "n_regions": FieldSpec((), "int32"),
@@ -80,6 +85,9 @@ def regions_fields(max_regions: int, dim: int, *, boxes: bool = True) -> dict[st
     }
     if boxes:
         fields["boxes"] = FieldSpec((max_regions, 4), "float32")
+    for label in labels:
+        fields[f"{label}_id"] = FieldSpec((max_regions,), "int32")
+        fields[f"{label}_conf"] = FieldSpec((max_regions,), "float32")
     return fields
 
 

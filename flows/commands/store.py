@@ -1,4 +1,5 @@
-"""``vse store ls | info | verify | import-precomp | import-tsv | export-precomp``."""
+"""``vse store ls | info | verify | import-precomp | import-tsv | import-npz | export-precomp
+| export-tsv``."""
 
 from __future__ import annotations
 
@@ -136,11 +137,33 @@ def tsv_arguments(p) -> None:
         p,
         "tsv",
         nargs="+",
-        help="TSV files (image_id, image_w, image_h, num_boxes, boxes, features)",
+        help="TSV files: bottom-up-attention (image_id, image_w, image_h, num_boxes, boxes, "
+        "features) or LXMERT's obj36 (img_id, img_h, img_w, objects_id, objects_conf, "
+        "attrs_id, attrs_conf, num_boxes, boxes, features)",
     )
+    _aligned_arguments(p)
+    p.add_argument(
+        "--format",
+        choices=["auto", "butd", "obj36"],
+        default="auto",
+        help="TSV layout (default: told by the field count of the first rows: 6 or 10)",
+    )
+
+
+def _aligned_arguments(p) -> None:
     path_in(p, "--manifest", required=True, help="manifest the store is aligned with")
     path_out(p, "--out", help="regions store to write")
     p.add_argument("--max-regions", type=int, default=36, help="regions kept per image")
+
+
+def _imported(args, manifest, missing: list[str], what: str) -> int:
+    print(f"import: {len(manifest) - len(missing)} of {len(manifest)} images -> {args.out}")
+    if missing:
+        print(
+            f"import: {len(missing)} manifest images have no {what} (stored with 0 regions), "
+            f"e.g. {', '.join(missing[:5])}"
+        )
+    return 0
 
 
 def run_import_tsv(args, params) -> int:
@@ -155,14 +178,30 @@ def run_import_tsv(args, params) -> int:
         params.store,
         args.max_regions,
         progress=progress("import", unit="shard"),
+        fmt=args.format,
     )
-    print(f"import: {len(manifest) - len(missing)} of {len(manifest)} images -> {args.out}")
-    if missing:
-        print(
-            f"import: {len(missing)} manifest images have no TSV row (stored with 0 regions), "
-            f"e.g. {', '.join(missing[:5])}"
-        )
-    return 0
+    return _imported(args, manifest, missing, "TSV row")
+
+
+def npz_arguments(p) -> None:
+    path_in(p, "folder", help="MILVLG bottom-up-attention.pytorch folder of {image_id}.npz")
+    _aligned_arguments(p)
+
+
+def run_import_npz(args, params) -> int:
+    from features.exchange.milvlg_npz import import_npz
+    from features.ingest.manifest import read_manifest
+
+    manifest = read_manifest(Path(args.manifest))
+    missing = import_npz(
+        Path(args.folder),
+        manifest,
+        Path(args.out),
+        params.store,
+        args.max_regions,
+        progress=progress("import", unit="shard"),
+    )
+    return _imported(args, manifest, missing, ".npz file")
 
 
 def export_arguments(p) -> None:
@@ -182,6 +221,30 @@ def run_export_precomp(args, params) -> int:
     store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
     path = export_precomp(store, manifest, args.split, Path(args.out), n_regions=args.regions)
     print(f"export: {args.split} -> {path} (+ captions and ids)")
+    return 0
+
+
+def export_tsv_arguments(p) -> None:
+    path_in(p, "store", help="regions store (with boxes)")
+    path_in(p, "--manifest", required=True, help="the manifest the store was built from")
+    p.add_argument("--split", choices=["train", "val", "test"], help="one split (default: all)")
+    path_out(p, "--out", help="obj36 TSV file to write")
+
+
+def run_export_tsv(args, params) -> int:
+    from features.exchange.butd_tsv import export_obj36
+    from features.ingest.manifest import read_manifest
+    from features.store.reader import Store
+
+    manifest = read_manifest(Path(args.manifest))
+    store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+    written, skipped = export_obj36(store, manifest, Path(args.out), args.split)
+    print(f"export: {written} images -> {args.out} (obj36 TSV)")
+    if skipped:
+        print(
+            f"export: {len(skipped)} images without regions left out, e.g. "
+            f"{', '.join(skipped[:5])} (Store.notes() says why)"
+        )
     return 0
 
 
@@ -223,10 +286,26 @@ COMMANDS = [
     ),
     Command(
         "store import-tsv",
-        help="import bottom-up-attention TSV features for a manifest's images (params: store)",
+        help="import bottom-up-attention or obj36 TSV features for a manifest's images "
+        "(params: store)",
         arguments=tsv_arguments,
         run=run_import_tsv,
         sections=("store",),
+    ),
+    Command(
+        "store import-npz",
+        help="import a MILVLG bottom-up-attention.pytorch .npz folder for a manifest's images "
+        "(params: store)",
+        arguments=npz_arguments,
+        run=run_import_npz,
+        sections=("store",),
+    ),
+    Command(
+        "store export-tsv",
+        help="export a regions store as an obj36 TSV file (LXMERT's load_obj_tsv reads it)",
+        arguments=export_tsv_arguments,
+        run=run_export_tsv,
+        sections=None,
     ),
     Command(
         "store export-precomp",

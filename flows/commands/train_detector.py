@@ -46,6 +46,13 @@ def run(args, params) -> int:
         attributes = Path(args.vg_attributes) if args.vg_attributes else None
         dataset = dd.read_visual_genome(Path(args.vg_objects), attributes, cfg, images)
     print(f"train detector: {json.dumps(dataset.summary())}")
+    errors = Path(args.out) / "errors.csv"
+    dd.report_problems(dataset, cfg, errors)
+    if dataset.problems:
+        print(
+            f"train detector: {len(dataset.problems)} malformed annotations dropped "
+            f"({', '.join(sorted({p.reason for p in dataset.problems}))}); see {errors}"
+        )
     start = time.perf_counter()
     metrics = train_detector(
         dataset,
