@@ -3,6 +3,7 @@ against their sources, streamed as training pairs (shuffled, split over ranks an
 workers, from a folder or S3) with the batch contract of the stores."""
 
 import hashlib
+import io
 import json
 import tarfile
 
@@ -47,29 +48,57 @@ def test_sizes_record_sources_and_counts(packed):
     assert sizes["stores"]["regions"]["fingerprint"] == Store.open(paths.regions).fingerprint
     train = {k: v for k, v in sizes["shards"].items() if v["split"] == "train"}
     assert sum(v["images"] for v in train.values()) == 30 and len(train) == 4
-    assert train["train-000003.tar"] == {"split": "train", "images": 6, "captions": 13, "groups": 2}
+    last = train["train-000003.tar"]
+    assert {k: last[k] for k in ("split", "images", "captions", "groups")} == {
+        "split": "train",
+        "images": 6,
+        "captions": 13,
+        "groups": 2,
+    }
+    # every member in tar order with its size and CRC-32C (a naive bitwise CRC here)
+    path = root / "out" / "train-000003.tar"
+    with tarfile.open(path) as tar:
+        want = [[m.name, m.size, crc32c(tar.extractfile(m).read())] for m in tar]
+    assert last["members"] == want and last["bytes"] == path.stat().st_size
+    assert want[0][0] == "train-000000024.meta.json" and len(want) > 20
+
+
+def crc32c(data: bytes) -> str:
+    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), bit by bit."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return f"crc32c:{crc ^ 0xFFFFFFFF:08x}"
 
 
 def test_shards_are_standard_tars_that_webdataset_reads(packed):
-    """Any WebDataset reader opens them; members are plain .npy / .json."""
+    """The format's own reader (webdataset) opens them and finds, member for member, what
+    our reader gives; members are plain .npy / .json."""
     import webdataset as wds
 
-    root, paths, manifest, _ = packed
-    url = str(root / "out" / "val-000000.tar")
-    samples = list(wds.WebDataset(url, shardshuffle=False))
-    assert [s["__key__"] for s in samples] == ["val-000000000", "val-000000003"]
-    first = samples[0]
-    meta = json.loads(first["meta.json"])
+    root, paths, manifest, sizes = packed
     regions = Store.open(paths.regions)
-    rows = [regions.index(k) for k in meta["keys"]]
-    features = np.load(__import__("io").BytesIO(first["regions.features.npy"]))
-    np.testing.assert_array_equal(features, regions.gather("features", rows))
-    with tarfile.open(url) as tar:  # and plain tar tools
+    for name, recorded in sizes["shards"].items():
+        url = str(root / "out" / name)
+        samples = list(wds.WebDataset(url, shardshuffle=False))
+        groups = list(read_groups(url, recorded))
+        keys = [f"{recorded['split']}-{g.meta['index'][0]:09d}" for g in groups]
+        assert [s["__key__"] for s in samples] == keys
+        for sample, group in zip(samples, groups, strict=True):
+            assert json.loads(sample["meta.json"]) == group.meta
+            npy = {k[: -len(".npy")]: v for k, v in sample.items() if k.endswith(".npy")}
+            assert npy.keys() == group.arrays.keys()
+            for key, data in npy.items():
+                want = np.load(io.BytesIO(data), allow_pickle=False)
+                assert want.dtype == group.arrays[key].dtype, key
+                np.testing.assert_array_equal(group.arrays[key], want)
+            rows = [regions.index(k) for k in group.meta["keys"]]
+            features = regions.gather("features", rows)
+            np.testing.assert_array_equal(group.arrays["regions.features"], features)
+    with tarfile.open(root / "out" / "val-000000.tar") as tar:  # and plain tar tools
         assert "val-000000000.text.word_ids_offsets.npy" in tar.getnames()
-    # our reader gives the same groups, as views of the mapped file
-    groups = list(read_groups(url))
-    assert [g.meta["keys"] for g in groups] == [json.loads(s["meta.json"])["keys"] for s in samples]
-    np.testing.assert_array_equal(groups[0].arrays["regions.features"], features)
 
 
 def test_rebuild_is_bitwise_identical(packed, tmp_path):
@@ -103,7 +132,12 @@ def test_training_refuses_shards_of_other_stores(packed):
         ShardData(str(root / "out"), data, CFG)
     (root / "old").mkdir()
     (root / "old" / "sizes.json").write_text(json.dumps({"train-000000.tar": 3}))
-    with pytest.raises(StoreError, match="format 1, this code reads format 2; rebuild"):
+    with pytest.raises(StoreError, match="format 1, this code reads format 3; rebuild"):
+        ShardData(str(root / "old"), data, CFG)
+    # shards built before members were checksummed are refused, not read unchecked
+    sizes = json.loads((root / "out" / "sizes.json").read_text())
+    (root / "old" / "sizes.json").write_text(json.dumps({**sizes, "format": 2}))
+    with pytest.raises(StoreError, match="format 2, this code reads format 3; rebuild .*shards build"):
         ShardData(str(root / "old"), data, CFG)
 
 

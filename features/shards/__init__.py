@@ -17,12 +17,16 @@ cost of streaming is that of copying bytes) with all their captions::
 
 Arrays are ``.npy`` members (``np.load`` reads them). ``sizes.json`` records what the
 shards were built from (manifest digest, each packed store's kind, fingerprint and
-fields, the scene graphs' digest) and, per shard, its split and counts of images,
-captions and groups: a reader refuses shards built from other inputs
-(:func:`check_sources`). Identical inputs give identical bytes (fixed tar headers).
+fields, the scene graphs' digest) and, per shard, its split, counts of images,
+captions and groups, its bytes and every member's name, size and CRC-32C in tar order: a
+reader refuses shards built from other inputs (:func:`check_sources`) and any member that
+is not the one built (:mod:`features.shards.members`: damaged data, a damaged header, a
+cut or missing tar, each one line naming the shard and member); shards of format 2 (no
+members recorded) are refused in one line that says to rebuild them. Identical inputs
+give identical bytes (fixed tar headers).
 
-Reading (:func:`read_groups`) parses the tar headers itself and decodes members with
-numpy: a local shard is memory-mapped, so a group's arrays are views of the page cache
+Reading (:func:`read_groups`) locates members with the stdlib's ``tarfile`` and decodes
+them with numpy: a local shard is memory-mapped, so a group's arrays are views of the page cache
 (no copy until a batch is gathered); an ``s3://`` (any fsspec URL) shard is read
 sequentially. :class:`GroupColumns` gathers batch rows from a buffer of groups with the
 same vectorised gathers as the stores (``gather``, ``gather_ragged``), so training builds

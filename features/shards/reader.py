@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import re
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from features.shards.members import members
 from features.shards.writer import FORMAT, SIZES, member_name
 from features.store.gather import padded_rows, take_rows
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreError
-
-TAR_BLOCK = 512
 
 
 def _join(url: str, name: str) -> str:
@@ -118,90 +115,15 @@ def decode_npy(data) -> np.ndarray:
     return np.load(io.BytesIO(bytes(view)), allow_pickle=False)
 
 
-def _members(url: str, storage_options: dict | None) -> Iterator[tuple[str, memoryview]]:
-    """``(name, data)`` of each regular member of the tar at ``url``: a local file is
-    memory-mapped (the data are views of it), a remote one read in sequence."""
-    if "://" not in url or url.startswith("file://"):
-        view = _mapped(url.removeprefix("file://"))
-        if len(view):
-            yield from _parse(lambda offset, n: view[offset : offset + n], len(view))
-        return
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    with fs.open(path, "rb", block_size=16 << 20) as f:
-        position = [0]
-
-        def read_remote(offset: int, n: int) -> memoryview:
-            if offset != position[0]:
-                f.seek(offset)
-            data = f.read(n)
-            position[0] = offset + len(data)
-            return memoryview(data)
-
-        yield from _parse(read_remote, None)
-
-
-_MAPPED: OrderedDict = OrderedDict()  # local shards stay mapped between epochs
-
-
-MAX_MAPPED = 1024
-
-
-def _mapped(path: str) -> memoryview:
-    """The local file ``path`` memory-mapped (kept, while unchanged): its pages are
-    mapped once, not faulted in again every epoch. Populated: the kernel maps every page
-    of the file at once, cheaper than faulting them in one by one."""
-    stat = Path(path).stat()
-    key = (path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    if key in _MAPPED:
-        _MAPPED.move_to_end(key)
-        return _MAPPED[key]
-    if not stat.st_size:
-        return memoryview(b"")
-    with open(path, "rb") as f:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
-    if len(_MAPPED) >= MAX_MAPPED:
-        _MAPPED.popitem(last=False)
-    _MAPPED[key] = view
-    return view
-
-
-def _parse(read: Callable[[int, int], memoryview], size: int | None):
-    """Walk tar headers (ustar, GNU long names, pax paths) from offset 0."""
-    offset, long_name = 0, None
-    while size is None or offset + TAR_BLOCK <= size:
-        header = bytes(read(offset, TAR_BLOCK))
-        if len(header) < TAR_BLOCK or header == b"\0" * TAR_BLOCK:
-            return
-        name = header[:100].split(b"\0", 1)[0].decode()
-        if header[257:263] == b"ustar\0":  # POSIX ustar: a path may be split in two
-            prefix = header[345:500].split(b"\0", 1)[0].decode()
-            name = f"{prefix}/{name}" if prefix else name
-        length = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        kind = header[156:157]
-        data_at = offset + TAR_BLOCK
-        offset = data_at + -(-length // TAR_BLOCK) * TAR_BLOCK
-        if kind == b"L":  # GNU long name: the next member's name
-            long_name = bytes(read(data_at, length)).split(b"\0", 1)[0].decode()
-            continue
-        if kind == b"x":  # pax header: a path record names the next member
-            for record in bytes(read(data_at, length)).decode().splitlines():
-                _, _, item = record.partition(" ")
-                if item.startswith("path="):
-                    long_name = item[5:]
-            continue
-        if kind in (b"0", b"\0"):
-            yield (long_name or name), read(data_at, length)
-        long_name = None
-
-
-def read_groups(url: str, storage_options: dict | None = None) -> Iterator[Group]:
-    """The groups of one shard, in order."""
+def read_groups(
+    url: str, recorded: Mapping | None, storage_options: dict | None = None
+) -> Iterator[Group]:
+    """The groups of one shard, in order, each member checked against ``recorded`` (the
+    shard's entry in ``sizes.json``; None: unchecked, for benchmarks) before its group
+    is yielded (:func:`features.shards.members.members`)."""
     current: Group | None = None
     key = None
-    for name, data in _members(url, storage_options):
+    for name, data in members(url, recorded, storage_options):
         base = name.rsplit("/", 1)[-1]
         member_key, _, suffix = base.partition(".")
         if member_key != key:

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field
 
 from features.ingest.manifest import SPLITS, Manifest, caption_key
+from features.shards.members import member_entry
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreError
 from infra.config import Section
@@ -22,7 +23,7 @@ from infra.config import Section
 SIZES = "sizes.json"
 
 
-FORMAT = 2  # the layout above; sizes.json of other formats is refused
+FORMAT = 3  # the layout above; sizes.json of other formats is refused (2: no members)
 
 
 class ShardsConfig(Section):
@@ -42,25 +43,27 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _add_fields(tar, prefix: str, store, rows: list[int]) -> None:
+def _add_fields(tar, index: list, prefix: str, store, rows: list[int]) -> None:
     """Every field of ``store`` at ``rows`` as members ``<prefix>.<field>.npy`` (ragged
     fields flat, with ``<prefix>.<field>_offsets.npy``)."""
     for field_name, values in store.read_indices(rows).items():
         if store.fields[field_name].ragged:
             flat, offsets = _flat(values, store.fields[field_name])
-            _add(tar, f"{prefix}.{field_name}.npy", _npy(flat))
-            _add(tar, f"{prefix}.{field_name}_offsets.npy", _npy(offsets))
+            _add(tar, index, f"{prefix}.{field_name}.npy", _npy(flat))
+            _add(tar, index, f"{prefix}.{field_name}_offsets.npy", _npy(offsets))
         else:
-            _add(tar, f"{prefix}.{field_name}.npy", _npy(values))
+            _add(tar, index, f"{prefix}.{field_name}.npy", _npy(values))
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    """A member with fixed metadata, so identical inputs give identical bytes."""
+def _add(tar: tarfile.TarFile, index: list, name: str, data: bytes) -> None:
+    """A member with fixed metadata, so identical inputs give identical bytes; its name,
+    size and CRC-32C appended to ``index`` (the shard's ``members`` in sizes.json)."""
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     tar.addfile(info, io.BytesIO(data))
+    index.append(member_entry(name, data))
 
 
 def build_shards(
@@ -190,6 +193,7 @@ def text_rows(text: Store, rows: list[dict]) -> dict[str, int]:
 
 def _write_shard(path, split, chunk, positions, stores, text, caption_rows, graphs, cfg) -> dict:
     counts = {"images": len(chunk), "captions": 0, "groups": 0}
+    index: list = []
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for g in range(0, len(chunk), cfg.images_per_group):
             group = chunk[g : g + cfg.images_per_group]
@@ -205,16 +209,16 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
             }
             if graphs is not None:
                 meta["scene_graphs"] = [graphs.get(c) for c in captions]
-            _add(tar, f"{key}.meta.json", json.dumps(meta, sort_keys=True).encode())
+            _add(tar, index, f"{key}.meta.json", json.dumps(meta, sort_keys=True).encode())
             image_keys = [r["key"] for r in group]
             for name, store in stores.items():
                 rows = [store.index(k) for k in image_keys]
-                _add_fields(tar, f"{key}.{member_name(name)}", store, rows)
+                _add_fields(tar, index, f"{key}.{member_name(name)}", store, rows)
             if text is not None:
-                _add_fields(tar, f"{key}.text", text, [caption_rows[c] for c in captions])
+                _add_fields(tar, index, f"{key}.text", text, [caption_rows[c] for c in captions])
             counts["captions"] += len(captions)
             counts["groups"] += 1
-    return counts
+    return {**counts, "bytes": Path(path).stat().st_size, "members": index}
 
 
 def _flat(values: list[np.ndarray], spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:

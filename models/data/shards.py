@@ -51,6 +51,7 @@ class ShardData:
         self.names = names  # role ("regions", "text", ...) -> packed store name
         self.fields = {role: sizes["stores"][name]["fields"] for role, name in names.items()}
         self.shards = shard_names(sizes, "train")
+        self.recorded = [sizes["shards"][n] for n in self.shards]  # members' CRC-32C
         if not self.shards:
             raise DataError(f"{self.url}: no train shards; rebuild with `vse shards build`")
         self.captions = np.array([sizes["shards"][n]["captions"] for n in self.shards])
@@ -132,7 +133,7 @@ class ShardData:
         refs = np.empty((0, 2), np.int64)  # (group in held, caption in group)
         for position in self._mine(epoch, rank, world, worker):
             url = f"{self.url.rstrip('/')}/{self.shards[position]}"
-            for group in read_groups(url, self.storage_options):
+            for group in read_groups(url, self.recorded[position], self.storage_options):
                 n = int(group.caption_image.shape[0])
                 pairs = np.stack([np.full(n, len(held)), np.arange(n)], 1)
                 held.append(group)

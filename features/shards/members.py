@@ -1,0 +1,146 @@
+"""Where each member of a shard lies, and whether it is the member that was built.
+
+The stdlib's :mod:`tarfile` locates the members (it validates every header's checksum and
+reads GNU long names, pax records and base-256 sizes); a local shard's members are then
+sliced from its memory map without a copy, a remote one's read in sequence. What
+``vse shards build`` recorded in ``sizes.json`` for the shard (its bytes and, in order, each
+member's name, size and CRC-32C) is checked as the members are read: a damaged header ends
+the tar early for :mod:`tarfile`, so it is a missing member here, as is a cut tar; damaged
+data fail their CRC-32C. Every failure is one :class:`StoreError` line naming the shard,
+the member and what to do.
+"""
+
+from __future__ import annotations
+
+import mmap
+import tarfile
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from features.store.integrity import file_checksum
+from features.store.spec import StoreError
+
+REBUILD = "rebuild the shards with `vse shards build`"
+
+
+def member_entry(name: str, data: bytes) -> list:
+    """What ``sizes.json`` records of one member: ``[name, size, "crc32c:<hex>"]``."""
+    return [name, len(data), file_checksum(data)]
+
+
+class Expected:
+    """The members recorded for the shard at ``url`` (``recorded``: its entry in
+    ``sizes.json``), checked one by one in tar order; ``recorded=None`` checks nothing
+    (benchmarks measure the check's cost with it)."""
+
+    def __init__(self, url: str, recorded: Mapping | None):
+        self.url, self.recorded = url, recorded
+        self.members = recorded["members"] if recorded is not None else None
+        self.position = 0
+
+    def fail(self, member: str, problem: str) -> StoreError:
+        return StoreError(f"{self.url}: member {member}: {problem}; {REBUILD}")
+
+    def check(self, name: str, data) -> None:
+        """``data`` of the next member ``name`` is the one that was built."""
+        if self.members is None:
+            return
+        if self.position >= len(self.members):
+            raise self.fail(name, "not among the members sizes.json records")
+        want_name, want_size, want_crc = self.members[self.position]
+        if name != want_name:
+            raise self.fail(want_name, f"found {name!r} in its place")
+        if len(data) != want_size:
+            raise self.fail(name, f"{len(data)} bytes, built with {want_size}: the tar is cut")
+        if (crc := file_checksum(data)) != want_crc:
+            raise self.fail(name, f"damaged data ({crc}, built with {want_crc})")
+        self.position += 1
+
+    def end(self, error: str | None, size: int | None) -> None:
+        """Every recorded member was read (``error``: why :mod:`tarfile` stopped, if it
+        did; ``size``: the tar's bytes, when known)."""
+        if self.members is None or self.position == len(self.members):
+            return
+        built = self.recorded.get("bytes")
+        why = f"tar stopped: {error}" if error else "the tar ends before it"
+        if size is not None and size != built:
+            why += f"; the tar is {size} bytes, built with {built}"
+        raise self.fail(
+            self.members[self.position][0], f"missing (a damaged header or a cut tar: {why})"
+        )
+
+
+def members(
+    url: str, recorded: Mapping | None, storage_options: dict | None = None
+) -> Iterator[tuple[str, memoryview]]:
+    """``(name, data)`` of each regular member of the shard at ``url``, checked against
+    ``recorded`` (see :class:`Expected`): a local file's data are views of its memory
+    map, a remote one's read in sequence."""
+    expected = Expected(url, recorded)
+    if "://" not in url or url.startswith("file://"):
+        view, found, error = _mapped(url.removeprefix("file://"), url)
+        for name, start, size in found:
+            data = view[start : start + size]
+            expected.check(name, data)
+            yield name, data
+        expected.end(error, len(view))
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        f = fs.open(path, "rb", block_size=16 << 20)
+    except FileNotFoundError:
+        raise StoreError(f"{url}: missing; {REBUILD}") from None
+    error = None
+    with f:
+        try:
+            with tarfile.open(fileobj=f, mode="r|") as tar:
+                for info in tar:
+                    if info.isreg():
+                        data = memoryview(tar.extractfile(info).read())
+                        expected.check(info.name, data)
+                        yield info.name, data
+        except (tarfile.TarError, EOFError) as err:
+            error = str(err) or type(err).__name__
+        expected.end(error, f.size)
+
+
+_MAPPED: OrderedDict = OrderedDict()  # local shards stay mapped between epochs
+
+
+MAX_MAPPED = 1024
+
+
+def _mapped(path: str, url: str) -> tuple[memoryview, list[tuple[str, int, int]], str | None]:
+    """The local tar ``path`` memory-mapped, its regular members' ``(name, offset, size)``
+    as :mod:`tarfile` finds them, and why it stopped early (None if it did not). Kept
+    while the file is unchanged: its pages are mapped once, not faulted in again every
+    epoch (populated: the kernel maps every page of the file at once, cheaper than
+    faulting them in one by one)."""
+    try:
+        stat = Path(path).stat()
+    except FileNotFoundError:
+        raise StoreError(f"{url}: missing; {REBUILD}") from None
+    key = (path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key in _MAPPED:
+        _MAPPED.move_to_end(key)
+        return _MAPPED[key]
+    found, error = [], None
+    with open(path, "rb") as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                for info in iter(tar.next, None):
+                    if info.isreg():
+                        found.append((info.name, info.offset_data, info.size))
+        except tarfile.TarError as err:
+            error = str(err)
+        view = memoryview(b"")
+        if stat.st_size:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
+    if len(_MAPPED) >= MAX_MAPPED:
+        _MAPPED.popitem(last=False)
+    _MAPPED[key] = view, found, error
+    return view, found, error
