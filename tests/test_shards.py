@@ -137,7 +137,9 @@ def test_training_refuses_shards_of_other_stores(packed):
     # shards built before members were checksummed are refused, not read unchecked
     sizes = json.loads((root / "out" / "sizes.json").read_text())
     (root / "old" / "sizes.json").write_text(json.dumps({**sizes, "format": 2}))
-    with pytest.raises(StoreError, match="format 2, this code reads format 3; rebuild .*shards build"):
+    with pytest.raises(
+        StoreError, match="format 2, this code reads format 3; rebuild .*shards build"
+    ):
         ShardData(str(root / "old"), data, CFG)
 
 
@@ -296,3 +298,117 @@ def test_the_command_builds_shards_that_training_reads(packed, tmp_path, capsys)
     assert ShardData(str(tmp_path / "s"), data, CFG).shards == ["train-000000.tar"]
     assert main([*args, "--store", f"text={paths.regions}"]) == 1
     assert "'text' names the caption-level store; use --text" in capsys.readouterr().err
+
+
+def _damage(tar_path, how: str) -> str:
+    """Damage the shard as files get damaged; returns the member a reader must name."""
+    with tarfile.open(tar_path) as tar:
+        found = tar.getmembers()
+    target = next(m for m in found if m.name.endswith(".regions.features.npy") and m.offset)
+    data = bytearray(tar_path.read_bytes())
+    if how == "data":  # one bit of a float16 feature, as in the issue (21.97 -> -0.343)
+        data[target.offset_data + target.size - 7] ^= 0x40
+    elif how == "cut in half":
+        cut = len(data) // 2
+        target = [m for m in found if m.offset <= cut][-1]
+        del data[cut:]
+    elif how == "cut at a member":
+        del data[target.offset :]
+    elif how in ("size field", "size field, checksum fixed"):
+        data[target.offset + 134] ^= 0x01  # the size's last octal digit: one byte more or less
+        if how.endswith("fixed"):  # a consistent header: only sizes.json can tell
+            header = data[target.offset : target.offset + 512]
+            header[148:156] = b" " * 8
+            data[target.offset + 148 : target.offset + 156] = b"%06o\0 " % sum(header)
+    elif how == "name":
+        data[target.offset + 3] ^= 0x01
+    elif how == "deleted":
+        tar_path.unlink()
+        return ""
+    tar_path.write_bytes(bytes(data))
+    return target.name
+
+
+DAMAGE = ["data", "cut in half", "cut at a member", "size field", "size field, checksum fixed"]
+DAMAGE += ["name", "deleted"]
+
+
+@pytest.fixture
+def damaged(packed, tmp_path, request):
+    """A copy of the shards with train-000001.tar damaged (``request.param``)."""
+    import shutil
+
+    root = packed[0]
+    shutil.copytree(root / "out", tmp_path / "s")
+    member = _damage(tmp_path / "s" / "train-000001.tar", request.param)
+    return tmp_path / "s", member
+
+
+def one_line(err, shards, member: str) -> str:
+    message = str(err.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert f"{shards / 'train-000001.tar'}: " in message and "`vse shards build`" in message
+    assert f"member {member}: " in message if member else "missing" in message
+    return message
+
+
+@pytest.mark.parametrize("damaged", DAMAGE, indirect=True)
+def test_a_damaged_shard_is_one_line_naming_shard_and_member(packed, damaged):
+    shards, member = damaged
+    sizes = read_sizes(shards)
+    url = str(shards / "train-000001.tar")
+    with pytest.raises(StoreError) as err:
+        list(read_groups(url, sizes["shards"]["train-000001.tar"]))
+    one_line(err, shards, member)
+    # training stops on it with the same line, before a batch of that shard is built
+    data = PairData(packed[1], "train", INPUTS)
+    with pytest.raises(StoreError) as err:
+        epoch(ShardData(str(shards), data, CFG), CFG, 0)
+    one_line(err, shards, member)
+
+
+@pytest.mark.parametrize("damaged", ["data"], indirect=True)
+def test_training_never_trains_on_a_flipped_byte(packed, damaged, tmp_path):
+    """The issue's case: unchecked, the flipped byte is a wrong feature and nothing fails;
+    checked, training stops in one line, in the loop or from worker processes, and
+    writes no checkpoint."""
+    root, paths = packed[0], packed[1]
+    shards, member = damaged
+    name = "train-000001.tar"
+    unchecked = list(read_groups(str(shards / name), None))
+    intact = list(read_groups(str(root / "out" / name), read_sizes(root / "out")["shards"][name]))
+    key = member.split(".", 1)[1][: -len(".npy")]
+    assert any(
+        not np.array_equal(a.arrays[key], b.arrays[key])
+        for a, b in zip(unchecked, intact, strict=True)
+    )
+    inputs = frozenset({"regions", "words"})
+    cfg = CFG.model_copy(update={"num_workers": 2, "epochs": 1})
+    model_cfg = MVVSEConfig(embed_size=16, word_dim=8, gpo_hidden=8, gpo_pe_dim=8)
+    source = ShardData(str(shards), PairData(paths, "train", inputs), cfg)
+    val = PairData(paths, "val", inputs)
+    with pytest.raises(StoreError) as err:
+        train("mvvse", model_cfg, cfg, source, val, tmp_path / "run", log=print)
+    assert "damaged data" in one_line(err, shards, member)
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.parametrize("how", ["data", "cut in half", "cut at a member", "deleted"])
+def test_damaged_remote_shards_are_one_line(packed, tmp_path, how):
+    """Shards read in sequence through fsspec (memory://, as s3:// is) are checked alike."""
+    import fsspec
+
+    root = packed[0]
+    local = tmp_path / "train-000001.tar"
+    local.write_bytes((root / "out" / local.name).read_bytes())
+    member = _damage(local, how)
+    fs = fsspec.filesystem("memory")
+    url = f"memory://damaged-{how.replace(' ', '-')}/{local.name}"
+    if how != "deleted":
+        fs.pipe(url, local.read_bytes())
+    recorded = read_sizes(root / "out")["shards"][local.name]
+    with pytest.raises(StoreError) as err:
+        list(read_groups(url, recorded))
+    message = str(err.value)
+    assert message.startswith(f"{url}: ") and "\n" not in message and "shards build" in message
+    assert f"member {member}: " in message if member else "missing" in message

@@ -52,7 +52,8 @@ class Expected:
         if name != want_name:
             raise self.fail(want_name, f"found {name!r} in its place")
         if len(data) != want_size:
-            raise self.fail(name, f"{len(data)} bytes, built with {want_size}: the tar is cut")
+            problem = "a cut tar or a damaged header"
+            raise self.fail(name, f"{len(data)} bytes, built with {want_size} ({problem})")
         if (crc := file_checksum(data)) != want_crc:
             raise self.fail(name, f"damaged data ({crc}, built with {want_crc})")
         self.position += 1
@@ -62,13 +63,14 @@ class Expected:
         did; ``size``: the tar's bytes, when known)."""
         if self.members is None or self.position == len(self.members):
             return
-        built = self.recorded.get("bytes")
-        why = f"tar stopped: {error}" if error else "the tar ends before it"
+        built = self.recorded["bytes"]
         if size is not None and size != built:
-            why += f"; the tar is {size} bytes, built with {built}"
-        raise self.fail(
-            self.members[self.position][0], f"missing (a damaged header or a cut tar: {why})"
-        )
+            why = f"the tar is cut ({size} bytes, built with {built})"
+        else:
+            why = "its tar header is damaged"
+        if error:
+            why += f"; tarfile: {error}"
+        raise self.fail(self.members[self.position][0], f"missing: {why}")
 
 
 def members(
