@@ -5,8 +5,12 @@ Writes N samples of (36, 2048) float16 region features (147 KB each) three ways:
 each warm (after one untimed pass) and prints samples/s, MB/s and the ratio to the
 baseline: random batches gathered from the store (``Store.gather``, what training
 reads), and the shards' groups read and gathered into batches (``features.shards``,
-what streaming training reads). Targets (issue 16): store gathers >= 0.8x, WebDataset
-streaming >= 0.5x. ``benchmarks/train_input.py`` measures whole training batches.
+what streaming training reads), with and without the check of every member's CRC-32C:
+warm (each shard mapped and checked once, as every epoch after a process's first read
+of it) and on a shard's first read (maps dropped before each pass; also the bare read,
+not gathered). Targets: store gathers >= 0.8x, WebDataset streaming >= 0.5x
+(issue 16); the members' check costs <= 10% of shard read throughput (issue 25).
+``benchmarks/train_input.py`` measures whole training batches.
 
     python benchmarks/store_read.py [--n 4096] [--batch 128] [--dir /tmp/vse-bench]
 """
@@ -17,6 +21,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+from features.shards import members
 from features.shards.reader import GroupColumns, read_groups, read_sizes
 from features.shards.writer import ShardsConfig, build_shards
 from features.store.reader import Store
@@ -147,15 +153,31 @@ def main() -> None:
 
     fields = sizes["stores"]["regions"]["fields"]
 
-    def webdataset() -> int:  # groups in shard order, shuffled within 2048 samples
+    def webdataset(checked: bool = True) -> int:  # groups in shard order, shuffled in 2048
         count, held = 0, []
-        for name in sorted(sizes["shards"]):
-            for group in read_groups(str(root / "shards" / name)):
+        for name, recorded in sorted(sizes["shards"].items()):
+            for group in read_groups(str(root / "shards" / name), recorded if checked else None):
                 held.append(group)
                 if sum(g.n_images for g in held) >= 2048:
                     count += emit(held)
                     held = []
         return count + emit(held)
+
+    def first_read(read) -> int:
+        """``read`` as on a shard's first read: mapped, located (and checked) anew; the
+        warm readers' maps are kept aside."""
+        kept, members._MAPPED = members._MAPPED, OrderedDict()
+        try:
+            return read()
+        finally:
+            members._MAPPED = kept
+
+    def shard_read(checked: bool = True) -> int:  # groups read, not gathered
+        count = 0
+        for name, recorded in sorted(sizes["shards"].items()):
+            for group in read_groups(str(root / "shards" / name), recorded if checked else None):
+                count += group.n_images
+        return count
 
     def emit(held) -> int:
         if not held:
@@ -175,6 +197,13 @@ def main() -> None:
             "numpy memmap, random batches, 1 DataLoader worker": memmap_worker,
             "store random access by key": by_key,
             "WebDataset streaming (groups, gathered)": webdataset,
+            "WebDataset streaming, members unchecked": lambda: webdataset(False),
+            "WebDataset streaming, first read": lambda: first_read(webdataset),
+            "WebDataset streaming, first read, unchecked": lambda: first_read(
+                lambda: webdataset(False)
+            ),
+            "WebDataset shard first read (groups, not gathered)": lambda: first_read(shard_read),
+            "WebDataset shard first read, unchecked": lambda: first_read(lambda: shard_read(False)),
         },
         args.rounds,
     )
@@ -183,6 +212,17 @@ def main() -> None:
     print(f"{'reader':<52}{'samples/s':>11}{'MB/s':>9}{'x memmap':>10}")
     for name, rate in results.items():
         print(f"{name:<52}{rate:>11.0f}{rate * SAMPLE_BYTES / 2**20:>9.0f}{rate / base:>10.2f}")
+    # target (issue 25): the members' check costs <= 10% of shard read throughput
+    for checked, unchecked in [
+        ("WebDataset streaming (groups, gathered)", "WebDataset streaming, members unchecked"),
+        ("WebDataset streaming, first read", "WebDataset streaming, first read, unchecked"),
+        (
+            "WebDataset shard first read (groups, not gathered)",
+            "WebDataset shard first read, unchecked",
+        ),
+    ]:
+        cost = 1 - results[checked] / results[unchecked]
+        print(f"CRC-32C check of every member costs {cost:6.1%}: {checked}")
     if args.dir is None:
         shutil.rmtree(root)
 

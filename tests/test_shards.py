@@ -335,11 +335,14 @@ DAMAGE += ["name", "deleted"]
 
 @pytest.fixture
 def damaged(packed, tmp_path, request):
-    """A copy of the shards with train-000001.tar damaged (``request.param``)."""
+    """A copy of the shards with train-000001.tar damaged (``request.param``) after it
+    was read whole (mapped and checked: a changed file is mapped and checked anew)."""
     import shutil
 
     root = packed[0]
     shutil.copytree(root / "out", tmp_path / "s")
+    recorded = read_sizes(tmp_path / "s")["shards"]["train-000001.tar"]
+    assert len(list(read_groups(str(tmp_path / "s" / "train-000001.tar"), recorded))) == 3
     member = _damage(tmp_path / "s" / "train-000001.tar", request.param)
     return tmp_path / "s", member
 

@@ -6,7 +6,8 @@ sliced from its memory map without a copy, a remote one's read in sequence. What
 ``vse shards build`` recorded in ``sizes.json`` for the shard (its bytes and, in order, each
 member's name, size and CRC-32C) is checked as the members are read: a damaged header ends
 the tar early for :mod:`tarfile`, so it is a missing member here, as is a cut tar; damaged
-data fail their CRC-32C. Every failure is one :class:`StoreError` line naming the shard,
+data fail their CRC-32C (a local shard's once, the first time it is mapped; a remote one's
+on every read). Every failure is one :class:`StoreError` line naming the shard,
 the member and what to do.
 """
 
@@ -16,6 +17,7 @@ import mmap
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from features.store.integrity import file_checksum
@@ -81,12 +83,15 @@ def members(
     map, a remote one's read in sequence."""
     expected = Expected(url, recorded)
     if "://" not in url or url.startswith("file://"):
-        view, found, error = _mapped(url.removeprefix("file://"), url)
-        for name, start, size in found:
-            data = view[start : start + size]
-            expected.check(name, data)
-            yield name, data
-        expected.end(error, len(view))
+        mapped = _mapped(url.removeprefix("file://"), url)
+        view = mapped.view
+        if recorded is not None and mapped.verified != recorded["members"]:
+            for name, start, size in mapped.found:  # all of them, before the first group
+                expected.check(name, view[start : start + size])
+            expected.end(mapped.error, len(view))
+            mapped.verified = recorded["members"]
+        for name, start, size in mapped.found:
+            yield name, view[start : start + size]
         return
     import fsspec
 
@@ -109,18 +114,30 @@ def members(
         expected.end(error, f.size)
 
 
-_MAPPED: OrderedDict = OrderedDict()  # local shards stay mapped between epochs
+@dataclass
+class Mapped:
+    """A local tar memory-mapped, its regular members' ``(name, offset, size)`` as
+    :mod:`tarfile` finds them, why it stopped early (None if it did not), and the
+    recorded members its bytes were checked against (None: not yet)."""
+
+    view: memoryview
+    found: list[tuple[str, int, int]]
+    error: str | None
+    verified: list | None = None
+
+
+_MAPPED: OrderedDict = OrderedDict()  # local shards stay mapped (and checked) between epochs
 
 
 MAX_MAPPED = 1024
 
 
-def _mapped(path: str, url: str) -> tuple[memoryview, list[tuple[str, int, int]], str | None]:
-    """The local tar ``path`` memory-mapped, its regular members' ``(name, offset, size)``
-    as :mod:`tarfile` finds them, and why it stopped early (None if it did not). Kept
-    while the file is unchanged: its pages are mapped once, not faulted in again every
-    epoch (populated: the kernel maps every page of the file at once, cheaper than
-    faulting them in one by one)."""
+def _mapped(path: str, url: str) -> Mapped:
+    """The local tar ``path`` located and mapped, kept while the file is unchanged: its
+    pages are mapped once, not faulted in again every epoch (populated: the kernel maps
+    every page of the file at once, cheaper than faulting them in one by one), and its
+    members' CRC-32C are checked once, the first time it is read (checking them on every
+    read costs half of streaming's throughput: README, "Read and write throughput")."""
     try:
         stat = Path(path).stat()
     except FileNotFoundError:
@@ -144,5 +161,5 @@ def _mapped(path: str, url: str) -> tuple[memoryview, list[tuple[str, int, int]]
             view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
     if len(_MAPPED) >= MAX_MAPPED:
         _MAPPED.popitem(last=False)
-    _MAPPED[key] = view, found, error
-    return view, found, error
+    _MAPPED[key] = Mapped(view, found, error)
+    return _MAPPED[key]
