@@ -1,0 +1,258 @@
+"""Scene graphs judged on FACTUAL (Li et al. 2023, "FACTUAL: A Benchmark for Faithful and
+Consistent Textual Scene Graph Parsing"): reading its CSV files and the matching of
+``../shared/data/factual/README.md``, in two modes.
+
+Strict: lemmas on both sides (nouns, adjectives and verbs by spaCy's rule lemmatizer, each
+side through the same function), objects by their head word (the last word of the name:
+"fire hydrant" and "hydrant" match), predicates word by word ("sitting on" -> "sit on"), and
+relation (subject, object) pairs beside full triples. "All tuples" is SPICE's union of
+objects, attributes and relations (Anderson et al. 2016, sec. 3).
+
+Convention-neutral: both sides further mapped to one convention where FACTUAL's annotation
+rules and ours differ by design rather than by error (:func:`neutral_predicate`):
+  * predicates: articles dropped ("on the side of" = "on side of"); a verb before a
+    preposition dropped ("sit on" = "on", "sit on top of" = "on top of"), a verb alone kept;
+    "with" = "have" (FACTUAL writes both for the same "X with Y");
+  * numbers as digits ("two" = "2": FACTUAL writes digits);
+  * a noun modifier of an object's name is also an attribute of its head ("brick building":
+    FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
+  * a collective or portion noun with "of" is an attribute of its members ("a group of
+    people": FACTUAL (people, is, group of) or (cake, is, piece); ours the object "group"
+    and (group, of, people)): the attribute "group", on both sides, and no object "group".
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from features.scenegraph.lexicon import COLLECTIVE_NOUNS
+from infra.config import UserError
+
+TUPLE = re.compile(r"\(([^()]*)\)")
+
+NUMBERS = {
+    w: str(i)
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve".split()
+    )
+}
+
+ARTICLES = {"a", "an", "the"}
+
+# closed-class words that start the prepositional part of a predicate ("sit on top of")
+PREPOSITIONS = {
+    "on", "in", "at", "of", "to", "with", "by", "from", "under", "over", "above", "below",
+    "behind", "beside", "besides", "near", "next", "into", "onto", "inside", "outside",
+    "across", "along", "around", "against", "between", "through", "toward", "towards",
+    "beneath", "underneath", "among", "atop", "up", "down", "off", "out", "for", "like",
+    "without", "within", "upon", "past", "before", "after", "beyond", "alongside", "via",
+    "about", "away", "front", "close", "underneath", "throughout", "amid",
+}  # fmt: skip
+
+# nouns FACTUAL writes as an attribute of what follows "of" ("a group of people")
+PORTION_NOUNS = COLLECTIVE_NOUNS | {"piece", "slice", "part", "half"}
+
+KINDS = ("objects", "attributes", "relations", "pairs", "all")
+
+
+class FactualFormatError(UserError):
+    """A FACTUAL file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A graph as strings: objects (full names), attributes (object, attribute), relations
+    (subject, predicate, object), before any lemmatisation."""
+
+    objects: frozenset
+    attributes: frozenset
+    relations: frozenset
+
+
+def parse_graph(text: str) -> Raw:
+    """FACTUAL's ``( s , p , o ) , ( o , is , a ) , ( o )`` as a :class:`Raw` graph."""
+    objects, attributes, relations = set(), set(), set()
+    for body in TUPLE.findall(text):
+        parts = [p.strip().lower() for p in body.split(" , ")]
+        if len(parts) == 1 and parts[0]:
+            objects.add(parts[0])
+        elif len(parts) == 3 and all(parts):
+            s, p, o = parts
+            if p == "is":
+                objects.add(s)
+                attributes.add((s, o))
+            else:
+                objects.update((s, o))
+                relations.add((s, p, o))
+        else:
+            raise ValueError(f"not a FACTUAL tuple: ({body})")
+    return Raw(frozenset(objects), frozenset(attributes), frozenset(relations))
+
+
+def read_factual(path: str | Path) -> list[tuple[str, Raw]]:
+    """(caption, gold graph) of every row of a FACTUAL CSV (columns ``caption`` and
+    ``scene_graph``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FactualFormatError(f"{path}: no such file (a FACTUAL CSV with caption, scene_graph)")
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = {"caption", "scene_graph"} - set(reader.fieldnames or ())
+        if missing:
+            raise FactualFormatError(
+                f"{path}: missing column(s) {', '.join(sorted(missing))}; a FACTUAL CSV has "
+                "image_id, region_id, caption, scene_graph"
+            )
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            try:
+                rows.append((row["caption"] or "", parse_graph(row["scene_graph"] or "")))
+            except ValueError as err:
+                raise FactualFormatError(f"{path}, line {line}: {err}") from None
+    return rows
+
+
+def predicted_raw(graph: dict) -> Raw:
+    """A scene graph as the stage writes it (``SceneGraph.to_json()``, a row of
+    :func:`features.scenegraph.parse_captions`) as a :class:`Raw` graph of lemmas."""
+    names = [o["lemma"].lower() for o in graph["objects"]]
+    return Raw(
+        frozenset(names),
+        frozenset((names[a["object"]], a["lemma"].lower()) for a in graph["attributes"]),
+        frozenset(
+            (names[r["subject"]], r["lemma"].lower(), names[r["object"]])
+            for r in graph["relations"]
+        ),
+    )
+
+
+class Lemmas:
+    """Lemmas of single words by part of speech, from a spaCy pipeline's lemmatizer (the
+    same function for gold and predicted words); without one, words are kept."""
+
+    def __init__(self, nlp=None):
+        self.nlp = nlp
+        self.lemmatizer = None
+        if nlp is not None and "lemmatizer" in nlp.pipe_names:
+            self.lemmatizer = nlp.get_pipe("lemmatizer")
+        self.cache: dict[tuple[str, str], str] = {}
+
+    def __call__(self, word: str, pos: str) -> str:
+        key = (word, pos)
+        found = self.cache.get(key)
+        if found is None:
+            found = word
+            if self.lemmatizer is not None and word.isalpha():
+                from spacy.tokens import Doc
+
+                doc = Doc(self.nlp.vocab, words=[word])
+                doc[0].pos_ = pos
+                found = (self.lemmatizer.rule_lemmatize(doc[0]) or [word])[0]
+            self.cache[key] = found
+        return found
+
+
+def neutral_predicate(words: list[str]) -> list[str]:
+    """The predicate in the shared convention (module docstring)."""
+    words = [w for w in words if w not in ARTICLES] or words
+    first = next((i for i, w in enumerate(words) if w in PREPOSITIONS), None)
+    if first:
+        words = words[first:]
+    return ["have" if w == "with" and len(words) == 1 else w for w in words]
+
+
+def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
+    """The matching tuples of a graph: ``objects`` (head lemmas), ``attributes`` (head,
+    attribute), ``relations`` (subject head, predicate, object head), ``pairs`` (subject
+    head, object head) and ``all`` (objects, attributes and relations together)."""
+
+    def head(name: str) -> str:
+        words = name.split()
+        return lemma(words[-1], "NOUN") if words else name
+
+    def attribute(text: str) -> str:
+        words = [lemma(w, "ADJ") for w in text.split()]
+        if neutral:
+            words = [NUMBERS.get(w, w) for w in words]
+            if len(words) == 2 and words[1] == "of":  # FACTUAL's "group of"
+                words = words[:1]
+        return " ".join(words)
+
+    objects = {head(o) for o in raw.objects}
+    attributes = {(head(o), attribute(a)) for o, a in raw.attributes}
+    relations = set()
+    for s, p, o in raw.relations:
+        words = [lemma(w, "VERB") for w in p.split()]
+        if neutral:
+            if words == ["of"] and head(s) in PORTION_NOUNS:
+                attributes.add((head(o), head(s)))
+                continue
+            words = neutral_predicate(words)
+        relations.add((head(s), " ".join(words), head(o)))
+    if neutral:
+        for o in raw.objects:
+            words = o.split()
+            attributes.update((head(o), lemma(w, "NOUN")) for w in words[:-1])
+        portions = {a for _, a in attributes if a in PORTION_NOUNS}
+        objects -= portions
+        relations = {r for r in relations if r[0] not in portions and r[2] not in portions}
+    out = {
+        "objects": objects,
+        "attributes": attributes,
+        "relations": relations,
+        "pairs": {(s, o) for s, _, o in relations},
+    }
+    out["all"] = (
+        {("o", x) for x in objects}
+        | {("a", *x) for x in attributes}
+        | {("r", *x) for x in relations}
+    )
+    return out
+
+
+def prf(counts: Counter) -> dict[str, float]:
+    tp, fp, fn = counts["tp"], counts["fp"], counts["fn"]
+    precision, recall = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+    f1 = 2 * precision * recall / max(precision + recall, 1e-12)
+    return {"precision": round(precision, 4), "recall": round(recall, 4), "f1": round(f1, 4)}
+
+
+def score(
+    predicted: Iterable[Raw], gold: Iterable[Raw], lemma: Lemmas, neutral: bool = False
+) -> tuple[dict, dict]:
+    """Micro P/R/F1 per kind (:data:`KINDS`) over the captions, and the error counts:
+    ``{kind: Counter}`` of missed ("fn") and spurious ("fp") tuples by their class
+    (:func:`error_class`)."""
+    counts = {k: Counter() for k in KINDS}
+    errors = {k: Counter() for k in ("fn", "fp")}
+    for p, g in zip(predicted, gold, strict=True):
+        got, want = tuples(p, lemma, neutral), tuples(g, lemma, neutral)
+        for k in KINDS:
+            counts[k]["tp"] += len(got[k] & want[k])
+            counts[k]["fp"] += len(got[k] - want[k])
+            counts[k]["fn"] += len(want[k] - got[k])
+        for side, extra, other in (("fn", want, got), ("fp", got, want)):
+            for k in ("objects", "attributes", "relations"):
+                for t in extra[k] - other[k]:
+                    errors[side][error_class(k, t, other)] += 1
+    return {k: prf(c) for k, c in counts.items()}, errors
+
+
+def error_class(kind: str, t, other: dict) -> str:
+    """A missed or spurious tuple's class: for a relation, whether the other side relates the
+    same pair with another predicate ("predicate X vs Y"), else its predicate; for an
+    attribute, the attribute; for an object, "object"."""
+    if kind == "objects":
+        return "object"
+    if kind == "attributes":
+        return f"attribute {t[1]!r}"
+    s, p, o = t
+    others = sorted(q for s2, q, o2 in other["relations"] if (s2, o2) == (s, o))
+    if others:
+        return f"predicate {p!r} vs {others[0]!r}"
+    return f"relation {p!r}"
