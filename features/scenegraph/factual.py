@@ -12,7 +12,8 @@ Convention-neutral: both sides further mapped to one convention where FACTUAL's 
 rules and ours differ by design rather than by error (:func:`neutral_predicate`):
   * predicates: articles dropped ("on the side of" = "on side of"); a verb before a
     preposition dropped ("sit on" = "on", "sit on top of" = "on top of"), a verb alone kept;
-    "with" = "have" (FACTUAL writes both for the same "X with Y");
+    "with" = "have" (FACTUAL writes both for the same "X with Y"); (X, of, Y) = (Y, have, X)
+    (FACTUAL: "the tail of a dog" is (dog, have, tail));
   * numbers as digits ("two" = "2": FACTUAL writes digits);
   * a noun modifier of an object's name is also an attribute of its head ("brick building":
     FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
@@ -51,7 +52,7 @@ PREPOSITIONS = {
     "across", "along", "around", "against", "between", "through", "toward", "towards",
     "beneath", "underneath", "among", "atop", "up", "down", "off", "out", "for", "like",
     "without", "within", "upon", "past", "before", "after", "beyond", "alongside", "via",
-    "about", "away", "front", "close", "underneath", "throughout", "amid",
+    "about", "away", "front", "close", "throughout", "amid",
 }  # fmt: skip
 
 # nouns FACTUAL writes as an attribute of what follows "of" ("a group of people")
@@ -132,14 +133,22 @@ def predicted_raw(graph: dict) -> Raw:
 
 
 class Lemmas:
-    """Lemmas of single words by part of speech, from a spaCy pipeline's lemmatizer (the
-    same function for gold and predicted words); without one, words are kept."""
+    """Lemmas of single words by part of speech, from a spaCy pipeline's rule lemmatizer
+    (the same function for gold and predicted words): the first candidate its index knows
+    ("vases" -> "vase", not "vas"), else the word itself when the index knows it (a lemma
+    stays itself: "glass", not "glas"), else the first candidate; without a lemmatizer,
+    words are kept."""
 
     def __init__(self, nlp=None):
+        from features.scenegraph.parser import Parser
+
         self.nlp = nlp
         self.lemmatizer = None
+        self.index: dict = {}
         if nlp is not None and "lemmatizer" in nlp.pipe_names:
             self.lemmatizer = nlp.get_pipe("lemmatizer")
+            parser = Parser.for_pipeline(nlp)
+            self.index = {"NOUN": parser.nouns or (), "VERB": parser.verbs or ()}
         self.cache: dict[tuple[str, str], str] = {}
 
     def __call__(self, word: str, pos: str) -> str:
@@ -152,7 +161,10 @@ class Lemmas:
 
                 doc = Doc(self.nlp.vocab, words=[word])
                 doc[0].pos_ = pos
-                found = (self.lemmatizer.rule_lemmatize(doc[0]) or [word])[0]
+                candidates = self.lemmatizer.rule_lemmatize(doc[0]) or [word]
+                known = self.index.get(pos, ())
+                found = next((c for c in candidates if c in known), None)
+                found = found or (word if word in known else candidates[0])
             self.cache[key] = found
         return found
 
@@ -187,11 +199,13 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
     attributes = {(head(o), attribute(a)) for o, a in raw.attributes}
     relations = set()
     for s, p, o in raw.relations:
-        words = [lemma(w, "VERB") for w in p.split()]
+        words = [w if w in PREPOSITIONS else lemma(w, "VERB") for w in p.split()]
         if neutral:
-            if words == ["of"] and head(s) in PORTION_NOUNS:
-                attributes.add((head(o), head(s)))
-                continue
+            if words == ["of"]:
+                if head(s) in PORTION_NOUNS:
+                    attributes.add((head(o), head(s)))
+                    continue
+                s, words, o = o, ["have"], s  # "the tail of a dog": (dog, have, tail)
             words = neutral_predicate(words)
         relations.add((head(s), " ".join(words), head(o)))
     if neutral:
