@@ -7,7 +7,14 @@ import weakref
 from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
-from features.scenegraph.lexicon import ING_NOUNS, NOUNS, VERBS, participle_lemma, verb_lemma
+from features.scenegraph.lexicon import (
+    ING_NOUNS,
+    LEXICAL_COMPOUNDS,
+    NOUNS,
+    VERBS,
+    participle_lemma,
+    verb_lemma,
+)
 
 _PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipeline -> Parser
 
@@ -19,9 +26,15 @@ class Parser:
     lemma guard and the repairs; without them those checks trust the parse.
     """
 
-    def __init__(self, verbs: Collection[str] | None = None, nouns: Collection[str] | None = None):
+    def __init__(
+        self,
+        verbs: Collection[str] | None = None,
+        nouns: Collection[str] | None = None,
+        noun_exceptions: dict | None = None,
+    ):
         self.verbs = frozenset(verbs) if verbs is not None else None
         self.nouns = frozenset(nouns) if nouns is not None else None
+        self.noun_exceptions = noun_exceptions or {}  # irregular plurals: leaves -> leaf
 
     @classmethod
     def for_pipeline(cls, nlp) -> Parser:
@@ -34,7 +47,10 @@ class Parser:
                 lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
                 if lookups is not None and lookups.has_table("lemma_index"):
                     index = lookups.get_table("lemma_index")
-                    parser = cls(index.get("verb", []), index.get("noun", []))
+                    exceptions = {}
+                    if lookups.has_table("lemma_exc"):
+                        exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
+                    parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
             _PARSERS[nlp] = parser
         return parser
 
@@ -56,6 +72,7 @@ class Parser:
     # -- repairs of frequent parser errors, on the editable view
 
     def _repair(self, toks: list[_Tok]) -> None:
+        self._caption_head(toks)
         lists = False
         for t in toks:
             head = toks[t.head]
@@ -85,6 +102,60 @@ class Parser:
                 if self.verbs is None or t.lemma in self.verbs:
                     t.pos = "VERB"
         self._repair_lists(toks)
+
+    def noun_lemma(self, text: str) -> str | None:
+        """The singular of a noun form the noun index knows ("leaves" -> "leaf", "clock"),
+        else None (also without an index)."""
+        if self.nouns is None:
+            return None
+        if text in self.noun_exceptions:
+            return self.noun_exceptions[text][0]
+        for old, new in (("ies", "y"), ("ves", "f"), ("es", ""), ("s", ""), ("", "")):
+            if text.endswith(old) and len(text) > len(old) + 1:
+                stem = text[: len(text) - len(old)] + new
+                if stem in self.nouns:
+                    return stem
+        return None
+
+    def _caption_head(self, toks: list[_Tok]) -> None:
+        """Region captions without a verb whose first noun the tagger reads as one: "clock
+        on a pole", "leaves on the trees" (a root verb without subject or object, only
+        modifiers before it, that is a noun), "exposed rocks in snow" (a participle with the
+        object after it: an adjective of that noun) and "cutting board with bread" (a
+        lexical compound)."""
+        root = next((t for t in toks if t.head == t.i), None)
+        if root is None or root.pos != "VERB":
+            return
+        kids = [t for t in toks if t.head == root.i and t is not root]
+        if any(t.dep in ("nsubj", "nsubjpass", "aux", "auxpass", "expl", "csubj") for t in kids):
+            return
+        if any(t.head != root.i or t.dep not in ("det", "amod", "nummod") for t in toks[: root.i]):
+            return
+        objects = [t for t in kids if t.dep == "dobj"]
+        if (
+            root.tag in ("VB", "VBZ", "VBP")
+            and not objects
+            and not any(t.dep in ("ccomp", "xcomp", "prt") for t in kids)
+        ):
+            lemma = self.noun_lemma(root.text)
+            if lemma is not None:
+                root.pos, root.tag, root.lemma = "NOUN", "NN", lemma
+            return
+        if not objects or objects[0].pos not in NOUNS:
+            return
+        noun = objects[0]
+        between = toks[root.i + 1 : noun.i]
+        if not all(t.head == noun.i and t.dep in ("amod", "compound", "nummod") for t in between):
+            return
+        lexical = root.i + 1 == noun.i and (root.text, noun.lemma) in LEXICAL_COMPOUNDS
+        if root.tag in ("VBN", "VBD") or lexical:
+            for t in kids:
+                if t is not noun:
+                    t.head = noun.i
+            noun.dep, noun.head = "ROOT", noun.i
+            root.dep, root.head = "amod", noun.i
+            if not lexical:
+                root.tag = "VBN"
 
     @staticmethod
     def _swap(toks, head: _Tok, noun: _Tok) -> None:
