@@ -14,6 +14,7 @@ rules and ours differ by design rather than by error (:func:`neutral_predicate`)
     preposition dropped ("sit on" = "on", "sit on top of" = "on top of"), a verb alone kept;
     "with" = "have" (FACTUAL writes both for the same "X with Y"); (X, of, Y) = (Y, have, X)
     (FACTUAL: "the tail of a dog" is (dog, have, tail));
+  * object heads split at hyphens too ("t-shirt" = "t - shirt": tokenisation);
   * numbers as digits ("two" = "2": FACTUAL writes digits);
   * a noun modifier of an object's name is also an attribute of its head ("brick building":
     FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
@@ -120,8 +121,12 @@ def read_factual(path: str | Path) -> list[tuple[str, Raw]]:
 
 def predicted_raw(graph: dict) -> Raw:
     """A scene graph as the stage writes it (``SceneGraph.to_json()``, a row of
-    :func:`features.scenegraph.parse_captions`) as a :class:`Raw` graph of lemmas."""
-    names = [o["lemma"].lower() for o in graph["objects"]]
+    :func:`features.scenegraph.parse_captions`) as a :class:`Raw` graph: objects as written
+    (the matching lemmatises them as it does FACTUAL's: spaCy's lemma of "clothes" in
+    context, "clothe", is not what the rule lemmatizer makes of FACTUAL's "clothes"),
+    attributes and predicates as lemmas (the parser's verb lemmas are checked against the
+    spelling: "riding" is "ride", where the rule lemmatizer alone also offers "rid")."""
+    names = [o["span"].lower() for o in graph["objects"]]
     return Raw(
         frozenset(names),
         frozenset((names[a["object"]], a["lemma"].lower()) for a in graph["attributes"]),
@@ -184,7 +189,7 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
     head, object head) and ``all`` (objects, attributes and relations together)."""
 
     def head(name: str) -> str:
-        words = name.split()
+        words = name.replace("-", " ").split() if neutral else name.split()
         return lemma(words[-1], "NOUN") if words else name
 
     def attribute(text: str) -> str:
