@@ -14,19 +14,17 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from features.scenegraph.factual import KINDS, Lemmas, predicted_raw, read_factual, score
+from features.scenegraph.factual import (
+    KINDS,
+    Lemmas,
+    data_folder,
+    predicted_raw,
+    read_factual,
+    score,
+)
 from features.scenegraph.stage import ScenegraphConfig, load_pipeline, parse_captions
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "factual"
 DEFAULT = ("random_dev.csv", "length_dev.csv")
-
-
-def data_folder() -> Path:
-    """``../shared/data/factual`` beside the checkout (worktrees sit one level deeper)."""
-    for root in Path(__file__).resolve().parents:
-        if (root / "shared" / "data" / "factual").is_dir():
-            return root / "shared" / "data" / "factual"
-    return DATA
 
 
 def sng_graphs(captions: list[str], nlp) -> list | None:

@@ -834,7 +834,10 @@ def test_defects_on_the_real_model(english, caption, wanted, unwanted):
 
 def test_regression_set_scores(english):
     """The hand-written gold graphs of tests/data/captions_gold.jsonl: micro P/R/F1 may not
-    fall below the recorded scores (tests/data/captions_gold_scores.json)."""
+    fall more than 0.02 below the recorded scores (tests/data/captions_gold_scores.json, the
+    rules alone): issue 28 lets what FACTUAL's outside annotators taught the parser ("a man
+    in a shirt" is (man, wear, shirt)) cost up to 0.02 per kind on this set, which the
+    rules' own authors wrote."""
     nlp, _ = english
     rows = [json.loads(line) for line in (DATA / "captions_gold.jsonl").open()]
     assert len(rows) >= 150
@@ -854,7 +857,7 @@ def test_regression_set_scores(english):
     for kind, target in (("objects", 0.97), ("attributes", 0.92), ("relations", 0.85)):
         assert scores[kind]["f1"] >= target, (kind, scores[kind])
         for metric, value in recorded[kind].items():
-            assert scores[kind][metric] >= value - 1e-4, (kind, metric, scores[kind])
+            assert scores[kind][metric] >= value - 0.02, (kind, metric, scores[kind])
 
 
 def test_demo_captions_with_the_real_model(english):

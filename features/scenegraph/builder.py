@@ -65,8 +65,12 @@ class _Tok:
 class _Builder:
     """The rules over one repaired parse."""
 
-    def __init__(self, toks: list[_Tok]):
+    def __init__(self, toks: list[_Tok], attach=None, record: list | None = None):
         self.toks = toks
+        # attach(v, n1, p, n2, noun) -> True (noun) / False (verb) / None (keep the parse's):
+        # the learned prepositional attachment (features.scenegraph.learned); record: a list
+        # that collects the decision points for training it
+        self.attach, self.record = attach, record
         self.graph = SceneGraph()
         self.index: dict[int, int] = {}  # token -> object
         self.name_words: dict[int, list[int]] = {}  # object token -> words of its name
@@ -379,6 +383,10 @@ class _Builder:
                     targets += [(words, e) for e in self._entities(target)]
         if not targets:
             return
+        if (self.attach or self.record is not None) and self._reattach(
+            prep, anchor, words, targets
+        ):
+            return
         if anchor.pos in VERBS:
             self._verb_prepositional(anchor, prep, words, targets)
         elif anchor.pos in NOUNS or self._entities(anchor):
@@ -391,6 +399,73 @@ class _Builder:
             for s in subjects:
                 for phrase, o in targets:
                     self._add(s, phrase, o)
+
+    def _attachment_point(self, anchor: _Tok, words: list[_Tok]) -> tuple[_Tok, _Tok] | None:
+        """(verb, noun) between which a prepositional phrase headed by ``words`` may attach:
+        the anchor verb and the noun nearest before the phrase that is its object or the
+        object of its other preposition; or the anchor noun (an object of a verb or of the
+        verb's preposition) and that verb. None where there is no such choice."""
+        toks = self.toks
+        if anchor.pos in VERBS and anchor.lemma != "be":
+            nouns = [
+                t
+                for t in toks[anchor.i + 1 : words[0].i]
+                if t.i in self.index
+                and (
+                    (t.head == anchor.i and t.dep in ("dobj", "obj"))
+                    or (
+                        t.dep == "pobj"
+                        and toks[t.head].dep == "prep"
+                        and toks[t.head].head == anchor.i
+                    )
+                )
+            ]
+            return (anchor, nouns[-1]) if nouns else None
+        if anchor.i in self.index and anchor.head != anchor.i:
+            head = toks[anchor.head]
+            if anchor.dep == "pobj" and head.dep == "prep" and head.head != head.i:
+                head = toks[head.head]
+            elif anchor.dep not in ("dobj", "obj"):
+                return None
+            if head.pos in VERBS and head.lemma != "be" and head.i < anchor.i:
+                return head, anchor
+        return None
+
+    def _reattach(self, prep: _Tok, anchor: _Tok, words, targets) -> bool:
+        """The learned attachment (Collins and Brooks 1995's backed-off model over (verb,
+        noun, preposition, noun)) where it overrules the parse: the phrase goes to the noun
+        ("a cat sitting next to a laptop on a desk": (laptop, on, desk)) or to the verb's
+        subjects ("a surfer riding a wave in the ocean": (surfer, in, ocean)). True when it
+        added the relations."""
+        point = self._attachment_point(anchor, words)
+        if point is None or prep.dep == "agent":
+            return False
+        verb, noun = point
+        phrase = " ".join(w.text for w in words)
+        target = self.toks[targets[0][1]]
+        key = (verb.lemma, noun.lemma, phrase, target.lemma)
+        if self.record is not None:
+            objects = self.graph.objects
+            names = [
+                objects[self.index[i]]["lemma"] for i in self._subjects(verb) if i in self.index
+            ]
+            self.record.append(
+                (
+                    key,
+                    anchor is noun,
+                    names,
+                    objects[self.index[noun.i]]["lemma"],
+                    [objects[self.index[o]]["lemma"] for _, o in targets if o in self.index],
+                )
+            )
+        choice = self.attach(*key, anchor is noun) if self.attach else None
+        if choice is None or choice == (anchor is noun):
+            return False
+        subjects = [noun.i] if choice else self._subjects(verb)
+        for s in subjects:
+            for phrase_words, o in targets:
+                self._add(s, phrase_words, o)
+        return True
 
     def _verb_prepositional(self, verb: _Tok, prep: _Tok, words, targets) -> None:
         if prep.dep == "agent":  # passive: "played by a woman", "a field surrounded by trees"

@@ -62,6 +62,15 @@ PORTION_NOUNS = COLLECTIVE_NOUNS | {"piece", "slice", "part", "half"}
 KINDS = ("objects", "attributes", "relations", "pairs", "all")
 
 
+def data_folder() -> Path:
+    """``shared/data/factual`` in the nearest folder above this checkout that has one (the
+    main checkout and worktrees sit at different depths)."""
+    for root in Path(__file__).resolve().parents:
+        if (root / "shared" / "data" / "factual").is_dir():
+            return root / "shared" / "data" / "factual"
+    return Path("shared/data/factual")
+
+
 class FactualFormatError(UserError):
     """A FACTUAL file that cannot be read."""
 
@@ -119,14 +128,15 @@ def read_factual(path: str | Path) -> list[tuple[str, Raw]]:
     return rows
 
 
-def predicted_raw(graph: dict) -> Raw:
+def predicted_raw(graph: dict, name: str = "span") -> Raw:
     """A scene graph as the stage writes it (``SceneGraph.to_json()``, a row of
     :func:`features.scenegraph.parse_captions`) as a :class:`Raw` graph: objects as written
     (the matching lemmatises them as it does FACTUAL's: spaCy's lemma of "clothes" in
     context, "clothe", is not what the rule lemmatizer makes of FACTUAL's "clothes"),
     attributes and predicates as lemmas (the parser's verb lemmas are checked against the
-    spelling: "riding" is "ride", where the rule lemmatizer alone also offers "rid")."""
-    names = [o["span"].lower() for o in graph["objects"]]
+    spelling: "riding" is "ride", where the rule lemmatizer alone also offers "rid").
+    ``name="lemma"``: objects as the parser's lemmas."""
+    names = [o[name].lower() for o in graph["objects"]]
     return Raw(
         frozenset(names),
         frozenset((names[a["object"]], a["lemma"].lower()) for a in graph["attributes"]),

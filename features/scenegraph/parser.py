@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
+from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
     LEXICAL_COMPOUNDS,
@@ -54,7 +55,9 @@ class Parser:
             _PARSERS[nlp] = parser
         return parser
 
-    def __call__(self, doc) -> SceneGraph:
+    def __call__(self, doc, record: list | None = None) -> SceneGraph:
+        """The scene graph of ``doc``; ``record``: a list that collects the prepositional
+        attachment decisions (for training :mod:`features.scenegraph.learned`)."""
         toks = []
         for t in doc:
             lemma = (t.lemma_ or t.text).lower()
@@ -67,7 +70,7 @@ class Parser:
                 head = toks[t.head]
                 head.children.append(t)
                 head.kids.setdefault(t.dep, []).append(t)
-        return _Builder(toks).build()
+        return relabel(_Builder(toks, attach, record).build())
 
     # -- repairs of frequent parser errors, on the editable view
 
