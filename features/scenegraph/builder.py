@@ -76,6 +76,7 @@ class _Builder:
         self.name_words: dict[int, list[int]] = {}  # object token -> words of its name
         self.seen: set[tuple] = set()  # relations and attributes already added
         self.subjects: dict[int, list[int]] = {}  # verb token -> its subjects
+        self.located: set[tuple[int, int]] = set()  # (X, Y) of "X with Y on it"
 
     def build(self) -> SceneGraph:
         toks, objects = self.toks, self.graph.objects
@@ -104,6 +105,8 @@ class _Builder:
             if dep in PREPOSITION_DEPS and "pobj" in t.kids:
                 if dep in ("prep", "agent") or t.pos == "ADP":
                     self._prepositional(t)
+            elif dep == "prep" and t.pos == "ADP" and not t.kids:
+                self._stranded(t)
             if t.pos in VERBS:
                 if t.lemma != "be" and not OBJECT_DEPS.isdisjoint(t.kids):
                     self._verb_object(t)
@@ -111,6 +114,13 @@ class _Builder:
                 for owner in t.kids["poss"]:
                     if owner.i in self.index:
                         self._add(owner.i, [], t.i, fixed=("have", "have"))
+        if self.located:  # "a building with a clock on it": (clock, on, building) says it
+            self.graph.relations = [
+                r
+                for r in self.graph.relations
+                if (r["subject"], r["object"]) not in self.located
+                or r["lemma"] not in ("with", "have")
+            ]
         return self.graph
 
     # -- helpers
@@ -382,6 +392,7 @@ class _Builder:
                 else:
                     targets += [(words, e) for e in self._entities(target)]
         if not targets:
+            self._on_it(prep, anchor, words)
             return
         if (self.attach or self.record is not None) and self._reattach(
             prep, anchor, words, targets
@@ -399,6 +410,44 @@ class _Builder:
             for s in subjects:
                 for phrase, o in targets:
                     self._add(s, phrase, o)
+
+    def _stranded(self, prep: _Tok) -> None:
+        """A preposition left at the end of a relative clause: "the desk the computer is
+        on" -> (computer, on, desk); "the area the person is sitting on" -> (person, sit on,
+        area)."""
+        verb = self.toks[prep.head]
+        if verb.pos not in VERBS or verb.dep != "relcl" or verb.i > prep.i:
+            return
+        noun = self.toks[verb.head]
+        words = [verb, prep] if verb.lemma != "be" and verb.i + 1 == prep.i else [prep]
+        for s in self._children(verb, "nsubj"):
+            for subject in self._entities(s):
+                for target in self._entities(noun):
+                    self._add(subject, words, target)
+
+    def _on_it(self, prep: _Tok, anchor: _Tok, words: list[_Tok]) -> None:
+        """ "A building with a clock on it", "the building has bricks on it": (clock, on,
+        building), (brick, on, building), in place of the "with"/"have" relation."""
+        if not any(p.text in ("it", "them") for p in self._children(prep, "pobj")):
+            return
+        toks = self.toks
+        pairs = []
+        if anchor.i in self.index and anchor.dep == "pobj" and toks[anchor.head].text == "with":
+            holder = toks[toks[anchor.head].head]
+            pairs = [(anchor.i, h) for h in self._entities(holder)]
+        elif anchor.pos in VERBS and anchor.lemma == "have":
+            things = [e for o in self._children(anchor, "dobj") for e in self._entities(o)]
+            pairs = [(x, h) for x in things for h in self._subjects(anchor)]
+        elif anchor.i in self.index:  # "with" and "on it" both on the holder
+            withs = [w for w in self._children(anchor, "prep") if w.text == "with"]
+            things = [
+                e for w in withs for o in self._children(w, "pobj") for e in self._entities(o)
+            ]
+            pairs = [(x, anchor.i) for x in things if x < prep.i]
+        for thing, holder in pairs:
+            if thing in self.index and holder in self.index:
+                self.located.add((self.index[holder], self.index[thing]))
+                self._add(thing, words, holder)
 
     def _attachment_point(self, anchor: _Tok, words: list[_Tok]) -> tuple[_Tok, _Tok] | None:
         """(verb, noun) between which a prepositional phrase headed by ``words`` may attach:
@@ -438,7 +487,7 @@ class _Builder:
         subjects ("a surfer riding a wave in the ocean": (surfer, in, ocean)). True when it
         added the relations."""
         point = self._attachment_point(anchor, words)
-        if point is None or prep.dep == "agent":
+        if point is None or prep.dep == "agent" or prep.text == "of":  # "of" stays on its noun
             return False
         verb, noun = point
         phrase = " ".join(w.text for w in words)

@@ -69,15 +69,17 @@ def attach(
 ) -> bool | None:
     """Whether the phrase ``p n2`` attaches to the noun ``n1`` (True) or to the verb ``v``
     (False), given the parse's choice ``noun``: Collins and Brooks' backed-off estimate,
-    the first level with counts deciding (a noun share of 0.5 or more is the noun); None
-    where no level has counts (the parse's choice stands)."""
+    the first level with counts deciding by majority; None where that level is a tie or no
+    level has counts (the parse's choice stands)."""
     for level in _backoff(noun, v, n1, p, n2):
         nouns = verbs = 0
         for key in level:
             n, vb = table.get(key, (0, 0))
             nouns, verbs = nouns + n, verbs + vb
-        if nouns + verbs:
-            return nouns >= verbs
+        if nouns != verbs:
+            return nouns > verbs
+        if nouns:
+            return None  # a tie: the parse's choice stands
     return None
 
 

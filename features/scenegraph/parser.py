@@ -84,6 +84,15 @@ class Parser:
                 # "the street is lined with": the subject hangs on the auxiliary
                 if head.dep in ("aux", "auxpass"):
                     t.head = head.head
+            elif dep == "npadvmod" and t.pos in NOUNS and head.tag == "VBG" and t.i < head.i:
+                # "baby laying on a blanket": the noun before a participle is its subject
+                if head.dep == "ROOT" and not any(
+                    c.head == head.i and c.dep in ("nsubj", "nsubjpass") for c in toks
+                ):
+                    t.dep = "nsubj"
+            elif dep == "pcomp" and t.text in ING_NOUNS and head.pos == "ADP":
+                # "window on building": a noun in -ing read as a gerund
+                t.pos, t.tag, t.dep, t.lemma = "NOUN", "NN", "pobj", t.text
             elif dep in ("amod", "compound", "nmod") and t.pos in NOUNS:
                 # "the large red disk sitting above": a noun compound of a verb is its subject
                 if dep == "compound" and head.pos == "VERB" and t.i < head.i:
