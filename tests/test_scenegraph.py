@@ -811,6 +811,17 @@ REAL = [
         set(),
     ),
     ("A dog that is running on the grass.", {("dog", "run on", "grass")}, set()),
+    # issue 28: Visual Genome region captions (FACTUAL)
+    ("clock on a pole", {("clock", "on", "pole")}, set()),
+    ("leaves on the trees", {("leaf", "on", "tree")}, {"leave"}),
+    ("exposed rocks in snow", {("rock", "exposed"), ("rock", "in", "snow")}, set()),
+    ("baby laying on a blue blanket .", {("baby", "lay on", "blanket")}, set()),
+    ("glass window on building", {("glass window", "on", "building")}, set()),
+    ("the desk the computer is on", {("computer", "on", "desk")}, set()),
+    ("tan building with a clock on it", {("clock", "on", "building")}, {"with"}),
+    ("the building has bricks on it .", {("brick", "on", "building")}, {"have"}),
+    ("a man in a red shirt", {("man", "wear", "shirt"), ("shirt", "red")}, {"in"}),
+    ("a cat in a box", {("cat", "in", "box")}, {"wear"}),
     (
         "A woman who is wearing a blue dress.",
         {("woman", "wear", "dress"), ("dress", "blue")},

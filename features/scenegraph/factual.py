@@ -88,6 +88,9 @@ class Raw:
 def parse_graph(text: str) -> Raw:
     """FACTUAL's ``( s , p , o ) , ( o , is , a ) , ( o )`` as a :class:`Raw` graph."""
     objects, attributes, relations = set(), set(), set()
+    rest = TUPLE.sub("", text).replace(",", "").strip()
+    if rest:
+        raise ValueError(f"not a FACTUAL scene graph: {text.strip()[:60]!r}")
     for body in TUPLE.findall(text):
         parts = [p.strip().lower() for p in body.split(" , ")]
         if len(parts) == 1 and parts[0]:
@@ -225,7 +228,7 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
         relations.add((head(s), " ".join(words), head(o)))
     if neutral:
         for o in raw.objects:
-            words = o.split()
+            words = o.replace("-", " ").split()
             attributes.update((head(o), lemma(w, "NOUN")) for w in words[:-1])
         portions = {a for _, a in attributes if a in PORTION_NOUNS}
         objects -= portions
