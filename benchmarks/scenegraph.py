@@ -8,7 +8,8 @@ The captions are the regression set's (``tests/data/captions_gold.jsonl``) recom
 another, seeded. They run in pairs on the same chunk of captions, alternating which goes
 first, so that load from other processes on the machine falls on both alike; the ratio is
 given over all captions and as the median of the pairs' ratios (steadier on a shared
-machine), in wall-clock and in process CPU time. Target (issue 14): (b) >= 0.9x (a).
+machine), in wall-clock and in process CPU time. Target (issue 28, with the parts learned
+from FACTUAL; 0.9x for the rules alone in issue 14): (b) >= 0.5x (a).
 
     python benchmarks/scenegraph.py [--n 10000] [--chunk 500] [--batch-size 256]
 """
@@ -97,7 +98,7 @@ def main() -> None:
         f"rules alone: {1e6 * rules / n:.0f} us/caption, {rules / totals['stage', 'wall']:.1%} "
         "of the stage's wall time"
     )
-    print("target >= 0.9x")
+    print("target >= 0.5x")
 
 
 if __name__ == "__main__":
