@@ -1,6 +1,6 @@
 """FACTUAL matching (features/scenegraph/factual.py) and the components learned from its
-training graphs (features/scenegraph/learned.py), on hand-made cases with hand-computed
-scores."""
+training graphs (features/scenegraph/learned.py, train_learned.py), on hand-made cases
+with hand-computed scores."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from features.scenegraph.factual import (
     read_factual,
     score,
 )
-from features.scenegraph.learned import attach, mine, relabel
+from features.scenegraph.learned import attach, relabel
+from features.scenegraph.train_learned import mine
 
 NO_LEMMAS = Lemmas(None)  # words kept as they are: the hand computations below hold
 
@@ -43,7 +44,9 @@ def test_read_factual_names_the_file_and_line(tmp_path):
     assert caption == "an old man on a bench" and graph.relations == {("man", "on", "bench")}
     broken = tmp_path / "broken.csv"  # a row cut short, as a truncated download leaves it
     broken.write_text(good.read_text() + '3,4,a dog,"( dog , on"\n')
-    with pytest.raises(FactualFormatError, match=r"broken.csv, line 3: not a FACTUAL scene graph: '\( dog , on"):
+    with pytest.raises(
+        FactualFormatError, match=r"broken.csv, line 3: not a FACTUAL scene graph: '\( dog , on"
+    ):
         read_factual(broken)
     headless = tmp_path / "headless.csv"
     headless.write_text("1,2,a dog,( dog )\n")

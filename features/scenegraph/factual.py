@@ -158,15 +158,13 @@ class Lemmas:
     words are kept."""
 
     def __init__(self, nlp=None):
-        from features.scenegraph.parser import Parser
-
         self.nlp = nlp
         self.lemmatizer = None
         self.index: dict = {}
         if nlp is not None and "lemmatizer" in nlp.pipe_names:
             self.lemmatizer = nlp.get_pipe("lemmatizer")
-            parser = Parser.for_pipeline(nlp)
-            self.index = {"NOUN": parser.nouns or (), "VERB": parser.verbs or ()}
+            table = self.lemmatizer.lookups.get_table("lemma_index", {})
+            self.index = {pos: frozenset(table.get(pos.lower(), ())) for pos in ("NOUN", "VERB")}
         self.cache: dict[tuple[str, str], str] = {}
 
     def __call__(self, word: str, pos: str) -> str:

@@ -57,7 +57,7 @@ class Parser:
 
     def __call__(self, doc, record: list | None = None) -> SceneGraph:
         """The scene graph of ``doc``; ``record``: a list that collects the prepositional
-        attachment decisions (for training :mod:`features.scenegraph.learned`)."""
+        attachment decisions (for :mod:`features.scenegraph.train_learned`)."""
         toks = []
         for t in doc:
             lemma = (t.lemma_ or t.text).lower()
