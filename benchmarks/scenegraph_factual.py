@@ -23,6 +23,7 @@ from features.scenegraph.factual import (
     score,
 )
 from features.scenegraph.stage import ScenegraphConfig, load_pipeline, parse_captions
+from infra.config import UserError
 
 DEFAULT = ("random_dev.csv", "length_dev.csv")
 
@@ -109,4 +110,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as err:  # one line: the file and what to do
+        raise SystemExit(str(err)) from None

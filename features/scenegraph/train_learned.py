@@ -26,6 +26,7 @@ from features.scenegraph.learned_predicates import ATTACHMENT, PREDICATES
 from features.scenegraph.lexicon import normalise_case
 from features.scenegraph.parser import Parser
 from features.scenegraph.stage import load_pipeline
+from infra.config import UserError
 
 OUT = Path(__file__).resolve().parent / "learned_predicates.py"
 
@@ -140,4 +141,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as err:  # one line: the file and what to do
+        raise SystemExit(str(err)) from None
