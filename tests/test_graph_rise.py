@@ -171,3 +171,39 @@ def test_regulariser_pulls_neighbours_together():
         return float(np.mean([np.sum((h[i] - h[j]) ** 2) for i, j in zip(src, g.dst, strict=True)]))
 
     assert edge_distance(on) < edge_distance(off)
+
+
+def test_a_label_floor_nothing_reaches_is_one_line(tmp_path):
+    from features.images.graph_rise.stage import GraphRiseError, train_graph_rise
+    from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+    from features.scenegraph.files import write_scene_graphs
+    from features.store.spec import StoreConfig
+
+    records = [
+        Record(f"{s}{i}", f"{s}{i}.png", s, ["a red circle", "a circle"])
+        for s in ("train", "test")
+        for i in range(3)
+    ]
+    write_manifest(records, Dataset("coco", records), 2, tmp_path / "m.parquet")
+    rows = [
+        {**row(["circle"], [(0, "red")]), "key": f"{r.key}#{c}", "caption": r.captions[c]}
+        for r in records
+        for c in range(2)
+    ]
+    write_scene_graphs(tmp_path / "sg", rows, {"nouns": {}, "adjectives": {}, "relations": {}})
+    cfg = GraphRiseConfig(min_images=4)  # 3 train images carry each label
+    with pytest.raises(GraphRiseError) as err:
+        train_graph_rise(
+            read_manifest(tmp_path / "m.parquet"),
+            tmp_path / "global.zarr",
+            tmp_path / "text.zarr",
+            tmp_path / "sg",
+            cfg,
+            tmp_path / "out.zarr",
+            tmp_path / "model",
+            tmp_path / "labels.json",
+            tmp_path / "graph.parquet",
+            StoreConfig(),
+        )
+    message = str(err.value)
+    assert "\n" not in message and "graph_rise.min_images 4" in message and "lower it" in message
