@@ -54,7 +54,7 @@ class GraphRiseConfig(Section):
     caption_embedding: Literal["text", "sbert"] = "text"  # see the module docstring
     dim: PositiveInt = 64  # embedding size (HUSE and Graph-RISE: 64)
     hidden: PositiveInt = 256
-    alpha: NonNegativeFloat = 1.0  # graph regulariser weight (eq. 1)
+    alpha: NonNegativeFloat = 0.1  # graph regulariser weight (eq. 1)
     packed: int = Field(2, ge=0)  # neighbours packed into the batch per seed image
     epochs: PositiveInt = 40
     batch_size: PositiveInt = 64  # seed images per batch
