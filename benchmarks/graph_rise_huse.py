@@ -7,7 +7,7 @@ adds to ``make demo``), then ``vse train huse`` and ``vse evaluate huse`` on eac
 with the demo's params otherwise. Reads the stores that ``dvc repro`` built (paths as in
 dvc.yaml); writes under ``--work`` and the figures to ``--out``.
 
-    python benchmarks/graph_rise_huse.py [--work data/bench/graph_rise] [--out metrics/graph_rise_huse.json]
+    python benchmarks/graph_rise_huse.py [--work DIR] [--out metrics/graph_rise_huse.json]
 """
 
 from __future__ import annotations
@@ -46,14 +46,33 @@ def main() -> None:
     stores = {"pooled": GLOBAL}
     for output in ("trained", "pca"):
         params = work / f"params_{output}.yaml"
-        params.write_text(yaml.safe_dump({**base, "graph_rise": {**base["graph_rise"], "output": output}}))
+        params.write_text(
+            yaml.safe_dump({**base, "graph_rise": {**base["graph_rise"], "output": output}})
+        )
         store = work / f"graph_rise_{output}.zarr"
         result["stage_seconds"][output] = round(
             vse(
-                params, "train", "graph-rise", "--manifest", MANIFEST, "--global", GLOBAL,
-                "--text", TEXT, "--scenegraphs", SCENEGRAPHS, "--out", str(store),
-                "--model", str(work / f"model_{output}"), "--labels", str(work / "labels.json"),
-                "--graph", str(work / "graph.parquet"), "--metrics", str(work / f"metrics_{output}.json"),
+                params,
+                "train",
+                "graph-rise",
+                "--manifest",
+                MANIFEST,
+                "--global",
+                GLOBAL,
+                "--text",
+                TEXT,
+                "--scenegraphs",
+                SCENEGRAPHS,
+                "--out",
+                str(store),
+                "--model",
+                str(work / f"model_{output}"),
+                "--labels",
+                str(work / "labels.json"),
+                "--graph",
+                str(work / "graph.parquet"),
+                "--metrics",
+                str(work / f"metrics_{output}.json"),
             ),
             1,
         )
@@ -63,14 +82,40 @@ def main() -> None:
     for name, store in stores.items():
         run = work / f"huse_{name}"
         seconds = vse(
-            params, "train", "huse", "--manifest", MANIFEST, "--global", store, "--text", TEXT,
-            "--vocab", VOCAB, "--out", str(run), "--metrics", str(run / "train.json"),
-            "--plots", str(run / "plots.json"),
+            params,
+            "train",
+            "huse",
+            "--manifest",
+            MANIFEST,
+            "--global",
+            store,
+            "--text",
+            TEXT,
+            "--vocab",
+            VOCAB,
+            "--out",
+            str(run),
+            "--metrics",
+            str(run / "train.json"),
+            "--plots",
+            str(run / "plots.json"),
         )
         vse(
-            params, "evaluate", "huse", "--checkpoint", str(run / "best.pt"), "--manifest",
-            MANIFEST, "--global", store, "--text", TEXT, "--vocab", VOCAB,
-            "--out", str(run / "evaluate.json"),
+            params,
+            "evaluate",
+            "huse",
+            "--checkpoint",
+            str(run / "best.pt"),
+            "--manifest",
+            MANIFEST,
+            "--global",
+            store,
+            "--text",
+            TEXT,
+            "--vocab",
+            VOCAB,
+            "--out",
+            str(run / "evaluate.json"),
         )
         report = json.loads((run / "evaluate.json").read_text())
         result["huse"][name] = {

@@ -52,9 +52,7 @@ def knn_graph(vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.n
     return src, idx.reshape(-1), np.maximum(sim.reshape(-1), 0).astype(np.float32)
 
 
-def label_precision(
-    vectors: np.ndarray, labels: np.ndarray, k: int = 10
-) -> float:
+def label_precision(vectors: np.ndarray, labels: np.ndarray, k: int = 10) -> float:
     """kNN label precision@k: for each image with labels, the mean over its ``k`` nearest
     other images (cosine of ``vectors (N, D)``, any norm) of the fraction of the
     neighbour's labels that the query has, ``|L_q & L_n| / |L_n|`` (0 for a neighbour

@@ -43,9 +43,7 @@ def image_labels(graphs: Iterable[dict]) -> set[tuple[str, str]]:
     return out
 
 
-def label_vocabulary(
-    per_image: Sequence[set[tuple[str, str]]], min_images: int
-) -> list[dict]:
+def label_vocabulary(per_image: Sequence[set[tuple[str, str]]], min_images: int) -> list[dict]:
     """Labels of at least ``min_images`` of the (train) images ``per_image``, as
     ``{"kind", "label", "images"}`` records, most frequent first, then by kind and text."""
     counts = Counter(label for labels in per_image for label in labels)
@@ -54,9 +52,7 @@ def label_vocabulary(
     return [{"kind": k, "label": t, "images": n} for (k, t), n in kept]
 
 
-def multi_hot(
-    per_image: Sequence[set[tuple[str, str]]], vocabulary: Sequence[dict]
-) -> np.ndarray:
+def multi_hot(per_image: Sequence[set[tuple[str, str]]], vocabulary: Sequence[dict]) -> np.ndarray:
     """(N, L) float32 indicator of each image's labels in ``vocabulary`` (others dropped)."""
     index = {(v["kind"], v["label"]): i for i, v in enumerate(vocabulary)}
     out = np.zeros((len(per_image), len(vocabulary)), dtype=np.float32)

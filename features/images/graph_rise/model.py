@@ -211,7 +211,9 @@ def embed(model: Head, features: np.ndarray, batch: int = 4096) -> np.ndarray:
     """(N, dim) float32 embeddings of ``features (N, D)``."""
     device = model.mean.device
     out = [
-        model(torch.from_numpy(np.ascontiguousarray(features[i : i + batch], np.float32)).to(device))
+        model(
+            torch.from_numpy(np.ascontiguousarray(features[i : i + batch], np.float32)).to(device)
+        )
         for i in range(0, len(features), batch)
     ]
     return torch.cat(out).cpu().numpy() if out else np.zeros((0, model.mlp[-1].out_features))

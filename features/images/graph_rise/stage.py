@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from features.images.graph_rise import graph as G
-from features.images.graph_rise.labels import image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.labels import KINDS, image_labels, label_vocabulary, multi_hot
 from features.ingest.manifest import Manifest
 from features.scenegraph.files import read_graphs
 from features.store.reader import Store
@@ -236,12 +236,14 @@ def train_graph_rise(
     return {
         "labels": {
             "vocabulary": len(vocabulary),
-            **{kind: sum(v["kind"] == kind for v in vocabulary) for kind in ("object", "attribute", "relation")},
+            **{kind: sum(v["kind"] == kind for v in vocabulary) for kind in KINDS},
             "per_train_image": float(targets[train].sum(1).mean()),
         },
         "graph": stats,
         f"test_label_precision_at_{k}": precision,
-        "trained_over_pca": precision["trained"] / precision["pca"] if precision.get("pca") else None,
+        "trained_over_pca": (precision["trained"] / precision["pca"])
+        if "pca" in precision
+        else None,
         "history": history[-1] if history else None,
         "output": cfg.output,
     }
