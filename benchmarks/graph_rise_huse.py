@@ -5,9 +5,10 @@ Graph-RISE-style embedding (``graph_rise.output: trained``, the default).
 Runs ``vse train graph-rise`` once per output (timed: the trained one is what the stage
 adds to ``make demo``), then ``vse train huse`` and ``vse evaluate huse`` on each input,
 with the demo's params otherwise. Reads the stores that ``dvc repro`` built (paths as in
-dvc.yaml); writes under ``--work`` and the figures to ``--out``.
+dvc.yaml); works in a temp folder (removed at the end) or ``--work``, and writes the
+figures to ``--out`` when given.
 
-    python benchmarks/graph_rise_huse.py [--work DIR] [--out metrics/graph_rise_huse.json]
+    python benchmarks/graph_rise_huse.py [--work DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,12 +37,17 @@ def vse(params: Path, *args: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", default="data/bench/graph_rise")
-    ap.add_argument("--out", default="metrics/graph_rise_huse.json")
+    ap.add_argument("--work", help="keep the stores and models here (default: a temp folder)")
+    ap.add_argument("--out", help="JSON of the figures")
     ap.add_argument("--params", default="params.yaml")
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        measure(args, work)
+
+
+def measure(args, work: Path) -> None:
     base = yaml.safe_load(Path(args.params).read_text())
     result: dict = {"stage_seconds": {}, "stage_metrics": None, "huse": {}}
     stores = {"pooled": GLOBAL}
@@ -124,8 +131,9 @@ def main() -> None:
             "rsum": report["full"]["rsum"],
             **report["classification"],
         }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'input':8} {'acc image':>9} {'acc text':>9} {'acc fused':>9} {'rsum':>7}")
     for name, r in result["huse"].items():
         print(
