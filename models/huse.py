@@ -33,8 +33,12 @@ setting, or the paper leaves the choice open:
 
 - Text input. Sec. 4.1.1 feeds the text tower BERT ++ TF-IDF, as ``use_tfidf`` (on by
   default) does; ``use_tfidf: false`` gives the document feature alone.
-- Image input. The paper uses 64-d Graph-RISE embeddings; ours the pipeline's global CNN
-  feature.
+- Image input. The paper uses 64-d Graph-RISE embeddings (Juan et al. 2019), which Google
+  never released. The DAG gives HUSE stage ``graph_rise``'s store
+  (:mod:`features.images.graph_rise`): a small-scale reproduction of the method, a 64-d
+  head on the frozen pooled trunk feature trained on scene-graph labels with the Neural
+  Graph Machines regulariser; ``graph_rise.output: pca`` puts the global store's PCA-64
+  there instead (the ablation).
 - Training (sec. 4.1.3): RMSProp, lr 1.6192e-5, momentum 0.9, batches of 1024, 250,000
   steps. Ours: the shared ``train`` section (AdamW, step decay, gradient clipping, which the
   paper does not mention).

@@ -1,0 +1,62 @@
+"""Fine-grained image labels mined from the scene graphs of an image's captions.
+
+Graph-RISE (Juan et al. 2019, sec. 3.1) trains on "ultra-fine-grained" labels: tens of
+millions of entity-level annotations, each image carrying several. Ours come from the
+pipeline's own scene graphs (stage ``scenegraph``), one label per distinct tuple:
+
+- object:           ``circle``                  (the object's lemma)
+- attribute-object: ``red circle``              (attribute lemma, object lemma)
+- relation triple:  ``circle above square``     (subject, relation, object lemmas)
+
+An image's labels are the union over its captions. The vocabulary keeps the labels of at
+least ``min_images`` train images (the frequency floor), most frequent first (ties by
+text), so it is fixed by the train captions alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+KINDS = ("object", "attribute", "relation")
+
+
+def graph_labels(graph: dict) -> set[tuple[str, str]]:
+    """The ``(kind, text)`` labels of one caption's scene graph (a row of
+    ``graphs.parquet``: ``objects``, ``attributes``, ``relations``)."""
+    objects = [o["lemma"] for o in graph["objects"]]
+    out = {("object", o) for o in objects}
+    for a in graph["attributes"]:
+        out.add(("attribute", f"{a['lemma']} {objects[a['object']]}"))
+    for r in graph["relations"]:
+        out.add(("relation", f"{objects[r['subject']]} {r['lemma']} {objects[r['object']]}"))
+    return out
+
+
+def image_labels(graphs: Iterable[dict]) -> set[tuple[str, str]]:
+    """The union of the labels of an image's captions' graphs."""
+    out: set[tuple[str, str]] = set()
+    for g in graphs:
+        out |= graph_labels(g)
+    return out
+
+
+def label_vocabulary(per_image: Sequence[set[tuple[str, str]]], min_images: int) -> list[dict]:
+    """Labels of at least ``min_images`` of the (train) images ``per_image``, as
+    ``{"kind", "label", "images"}`` records, most frequent first, then by kind and text."""
+    counts = Counter(label for labels in per_image for label in labels)
+    kept = [(label, n) for label, n in counts.items() if n >= min_images]
+    kept.sort(key=lambda item: (-item[1], KINDS.index(item[0][0]), item[0][1]))
+    return [{"kind": k, "label": t, "images": n} for (k, t), n in kept]
+
+
+def multi_hot(per_image: Sequence[set[tuple[str, str]]], vocabulary: Sequence[dict]) -> np.ndarray:
+    """(N, L) float32 indicator of each image's labels in ``vocabulary`` (others dropped)."""
+    index = {(v["kind"], v["label"]): i for i, v in enumerate(vocabulary)}
+    out = np.zeros((len(per_image), len(vocabulary)), dtype=np.float32)
+    for row, labels in enumerate(per_image):
+        cols = [index[label] for label in labels if label in index]
+        out[row, cols] = 1.0
+    return out

@@ -1,0 +1,219 @@
+"""The Graph-RISE head, its loss and its trainer.
+
+Graph-RISE (Juan et al. 2019, eq. 1, after Bui, Ravi and Ramavajjala's Neural Graph
+Machines, 2018, eq. 3) minimises over the labelled images i and the graph edges (i, j)::
+
+    L = sum_i L_s(y_i, f(x_i)) + alpha * sum_(i,j) w_ij * d(h_i, h_j),   d = ||h_i - h_j||^2
+
+with ``h = f(x)`` the embedding, here a two-layer MLP on the trunk's pooled feature whose
+output is L2-normalised (``dim``, 64 in HUSE and Graph-RISE), and ``L_s`` the softmax cross
+entropy against the image's labels as a distribution (multi-hot / count: the multi-label
+softmax Graph-RISE uses, without its sampling, since our vocabulary is small) through one
+linear layer on h. Where we differ from the paper: L_s is averaged over the batch's
+labelled images and the regulariser divided by the number of seed images (the paper writes
+sums; this only rescales alpha); the trunk stays frozen (the paper fine-tunes Inception).
+
+Batches follow Graph-RISE sec. 3.3 / NGM sec. 3: ``batch_size`` seed images in a seeded
+random order, each with ``packed`` of its graph neighbours drawn into the batch, and the
+regulariser runs over every graph edge whose two ends are in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infra.config import UserError
+from infra.files import save_torch
+from infra.resume import restore_training, training_state
+
+LAST = "last.pt"
+
+
+class GraphRiseTrainingError(UserError):
+    """A run that cannot continue (a non-finite loss, a checkpoint of another run)."""
+
+
+class Head(nn.Module):
+    """``f``: pooled trunk feature ``(B, D)`` -> embedding ``h`` ``(B, dim)`` on the unit
+    sphere, and the label classifier on ``h``. Inputs are standardised with the train
+    mean and std (buffers, kept in the checkpoint)."""
+
+    def __init__(self, in_dim: int, hidden: int, dim: int, n_labels: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(in_dim))
+        self.register_buffer("std", torch.ones(in_dim))
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.classifier = nn.Linear(dim, n_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.mlp((x - self.mean) / self.std), dim=-1)  # (B, dim)
+
+
+def label_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """L_s: softmax cross entropy of ``logits (B, L)`` against the multi-hot ``targets
+    (B, L)`` normalised to sum to 1, averaged over the rows that have a label."""
+    counts = targets.sum(1)  # (B,)
+    keep = counts > 0
+    if not keep.any():
+        return logits.sum() * 0.0
+    dist = targets[keep] / counts[keep, None]  # (B', L)
+    return -(dist * F.log_softmax(logits[keep], dim=-1)).sum(1).mean()
+
+
+def graph_regulariser(
+    h: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """NGM eq. 3 / Graph-RISE eq. 1's graph term (before alpha):
+    ``sum_(i,j) w_ij ||h_i - h_j||^2`` over the edges ``src (E,) -> dst (E,)`` (rows of
+    ``h (B, dim)``) with weights ``(E,)``."""
+    return (weight * (h[src] - h[dst]).square().sum(-1)).sum()
+
+
+class Graph:
+    """The graph's out-edges by source row (CSR), over rows ``0..n-1``."""
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, weight: np.ndarray, n: int):
+        order = np.argsort(src, kind="stable")
+        self.dst = np.asarray(dst, np.int64)[order]
+        self.weight = np.asarray(weight, np.float32)[order]
+        self.offsets = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))])
+
+    def neighbours(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+
+def pack_batch(
+    seeds: np.ndarray, graph: Graph, packed: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of one batch (the ``seeds``, then up to ``packed`` neighbours of each drawn
+    without replacement, first occurrence kept) and the graph edges inside it, as
+    positions ``src, dst`` in the batch and their weights."""
+    rows = list(seeds)
+    if packed:
+        for i in seeds:
+            nb = graph.dst[graph.neighbours(i)]
+            if len(nb):
+                rows += list(rng.choice(nb, size=min(packed, len(nb)), replace=False))
+    rows = np.asarray(list(dict.fromkeys(int(r) for r in rows)), dtype=np.int64)  # (B,)
+    pos = {r: p for p, r in enumerate(rows.tolist())}
+    src, dst, w = [], [], []
+    for p, r in enumerate(rows.tolist()):
+        span = graph.neighbours(r)
+        for j, wj in zip(graph.dst[span].tolist(), graph.weight[span].tolist(), strict=True):
+            if j in pos:
+                src.append(p)
+                dst.append(pos[j])
+                w.append(wj)
+    return rows, np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(w, np.float32)
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Seed rows of each batch of an epoch: a permutation drawn from ``(seed, epoch)``
+    alone, so a resumed run draws what an uninterrupted one would."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def train_head(
+    features: np.ndarray,
+    targets: np.ndarray,
+    graph: Graph,
+    cfg,
+    alpha: float,
+    identity: dict,
+    out_dir: Path | None = None,
+    resume: bool = False,
+    device: torch.device | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[Head, list[dict]]:
+    """Train the head on ``features (N, D)`` (train images) with ``targets (N, L)`` and
+    the ``graph`` over the same rows (eq. 1 above); deterministic for a given ``cfg.seed``.
+    With ``out_dir``: ``last.pt`` after every epoch, and ``resume`` continues from it
+    (bit-identical to an uninterrupted run; ``identity`` must match)."""
+    device = device or torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    model = Head(features.shape[1], cfg.hidden, cfg.dim, targets.shape[1])
+    x_all = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+    model.mean.copy_(x_all.mean(0))
+    model.std.copy_(x_all.std(0).clamp_min(1e-6))
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.epochs * -(-len(features) // cfg.batch_size)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
+    identity = {**identity, "alpha": alpha}
+    history: list[dict] = []
+    start = 0
+    last = out_dir / LAST if out_dir else None
+    if resume and last is not None and last.exists():
+        ckpt = restore_training(
+            last, identity, model, optimizer, scheduler, device, GraphRiseTrainingError
+        )
+        history, start = ckpt["history"], ckpt["epoch"] + 1
+        log(f"graph-rise: resuming from {last} after epoch {ckpt['epoch']}")
+    x_all, y_all = x_all.to(device), torch.from_numpy(targets).to(device)
+    for epoch in range(start, cfg.epochs):
+        model.train()
+        rng = np.random.default_rng([cfg.seed, epoch, 1])
+        sums = {"loss": 0.0, "labels": 0.0, "graph": 0.0}
+        batches = epoch_batches(len(features), cfg.batch_size, cfg.seed, epoch)
+        for seeds in batches:
+            rows, src, dst, w = pack_batch(seeds, graph, cfg.packed if alpha else 0, rng)
+            r = torch.from_numpy(rows).to(device)
+            h = model(x_all[r])  # (B, dim)
+            l_s = label_loss(model.classifier(h), y_all[r])
+            l_g = graph_regulariser(
+                h,
+                torch.from_numpy(src).to(device),
+                torch.from_numpy(dst).to(device),
+                torch.from_numpy(w).to(device),
+            ) / len(seeds)
+            loss = l_s + alpha * l_g
+            if not torch.isfinite(loss):
+                raise GraphRiseTrainingError(
+                    f"graph-rise: loss is {loss.item()} at epoch {epoch}; lower graph_rise.lr "
+                    "or graph_rise.alpha, then rerun with --resume"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            for k, v in (("loss", loss), ("labels", l_s), ("graph", l_g)):
+                sums[k] += float(v.detach())
+        history.append({"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}})
+        if last is not None:
+            last.parent.mkdir(parents=True, exist_ok=True)
+            save_torch(
+                {
+                    **identity,
+                    **training_state(model, optimizer, scheduler, device),
+                    "epoch": epoch,
+                    "history": history,
+                },
+                last,
+            )
+    if history:
+        h = history[-1]
+        log(
+            f"graph-rise (alpha {alpha:g}): {cfg.epochs} epochs, loss {h['loss']:.4f} "
+            f"(labels {h['labels']:.4f}, graph {h['graph']:.4f})"
+        )
+    return model.eval(), history
+
+
+@torch.no_grad()
+def embed(model: Head, features: np.ndarray, batch: int = 4096) -> np.ndarray:
+    """(N, dim) float32 embeddings of ``features (N, D)``."""
+    device = model.mean.device
+    out = [
+        model(
+            torch.from_numpy(np.ascontiguousarray(features[i : i + batch], np.float32)).to(device)
+        )
+        for i in range(0, len(features), batch)
+    ]
+    return torch.cat(out).cpu().numpy() if out else np.zeros((0, model.mlp[-1].out_features))

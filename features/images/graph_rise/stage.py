@@ -1,0 +1,249 @@
+"""Stage ``graph_rise`` (``vse train graph-rise``): labels, graph, head, embedding store.
+
+1. Labels of every image from its captions' scene graphs (:mod:`.labels`); the vocabulary
+   (train images, ``min_images`` floor) is written as JSON.
+2. The kNN graph over the train images (:mod:`.graph`) from the captions' sentence
+   embeddings: the text store's ``document`` field ends with the mean over tokens of the
+   text model's last layer, which is Sentence-BERT's own (mean) pooling when ``text.model``
+   is a Sentence-BERT model (the demo's all-MiniLM-L6-v2), so nothing is encoded again;
+   ``caption_embedding: sbert`` encodes the captions with the ``sbert`` model instead.
+   Written as parquet ``src, dst, weight`` (image keys).
+3. The head (:mod:`.model`) on the global store's pooled ``features``, with ``alpha`` and,
+   for the metrics, with ``alpha = 0`` (the graph's contribution, measured).
+4. A ``global``-kind store: ``features`` (dim,) the L2-normalised embedding (zeros where
+   the global store's image is invalid) and ``valid``; its fingerprint names the label
+   vocabulary, the graph and the checkpoint. ``output: pca`` writes the global store's
+   PCA-64 ``projected`` field there instead (HUSE's ablation, one param away).
+
+Metrics: kNN label precision@k on the test images (:func:`.graph.label_precision`) for the
+trained embedding, ``alpha = 0``, PCA-64, the pooled feature itself and random neighbours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+from features.images.graph_rise import graph as G
+from features.images.graph_rise.labels import KINDS, image_labels, label_vocabulary, multi_hot
+from features.ingest.manifest import Manifest
+from features.scenegraph.files import read_graphs
+from features.store.reader import Store
+from features.store.spec import FieldSpec, Provenance, StoreConfig
+from features.store.writer import StoreWriter
+from infra.config import Section, UserError
+from infra.device import Device
+from infra.files import save_torch, sha256_file, write_json
+
+VERSION = "1"
+HEAD = "head.pt"
+BLOCK = 65536  # captions read at a time
+
+
+class GraphRiseConfig(Section):
+    """``graph_rise`` section of params.yaml."""
+
+    min_images: PositiveInt = 5  # label frequency floor: train images carrying the label
+    neighbours: PositiveInt = 10  # k of the kNN graph
+    caption_embedding: Literal["text", "sbert"] = "text"  # see the module docstring
+    dim: PositiveInt = 64  # embedding size (HUSE and Graph-RISE: 64)
+    hidden: PositiveInt = 256
+    alpha: NonNegativeFloat = 0.1  # graph regulariser weight (eq. 1)
+    packed: int = Field(2, ge=0)  # neighbours packed into the batch per seed image
+    epochs: PositiveInt = 40
+    batch_size: PositiveInt = 64  # seed images per batch
+    lr: PositiveFloat = 0.003
+    weight_decay: NonNegativeFloat = 0.0001
+    seed: int = Field(0, ge=0)
+    device: Device = "auto"
+    precision_k: PositiveInt = 10  # kNN label precision@k on test
+    output: Literal["trained", "pca"] = "trained"  # what HUSE reads: see the docstring
+
+
+class GraphRiseError(UserError):
+    """An input the stage cannot use, named with what to do."""
+
+
+def caption_vectors(text: Store, keys: list[str], dim: int) -> np.ndarray:
+    """(C, dim) L2-normalised last ``dim`` values of the text store's ``document`` for
+    the caption ``keys`` (the mean-pooled last layer; see the module docstring)."""
+    if "document" not in text.fields:
+        raise GraphRiseError(f"{text.url}: no `document` field; rebuild it with `vse extract text`")
+    rows = np.array([text.index(k) for k in keys], dtype=np.int64)
+    out = np.concatenate(  # in blocks: the whole 4H-wide field may not fit in memory
+        [
+            text.gather("document", rows[i : i + BLOCK])[:, -dim:].astype(np.float32)
+            for i in range(0, len(rows), BLOCK)
+        ]
+    )  # (C, dim)
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def train_graph_rise(
+    manifest: Manifest,
+    global_path: Path,
+    text_path: Path,
+    scenegraphs: Path,
+    cfg: GraphRiseConfig,
+    out: Path,
+    model_dir: Path,
+    labels_path: Path,
+    graph_path: Path,
+    store_cfg: StoreConfig,
+    sbert_embed: Callable | None = None,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """The stage (see the module docstring); returns its metrics."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from features.images.graph_rise.model import Graph, embed, train_head
+    from infra.device import resolve_device
+
+    table = manifest.table
+    keys = table["key"].to_pylist()
+    split = np.asarray(table["split"].to_pylist())
+    counts = [len(c) for c in table["captions"].to_pylist()]
+    caption_keys, captions, _ = manifest.caption_rows()
+    graphs = read_graphs(scenegraphs, caption_keys)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    per_image = [image_labels(graphs[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    train = np.flatnonzero(split == "train")
+    test = np.flatnonzero(split == "test")
+    if len(train) < 2 or len(test) < 2:
+        raise GraphRiseError(
+            f"manifest: {len(train)} train and {len(test)} test images; "
+            "graph_rise needs at least 2 of each"
+        )
+    vocabulary = label_vocabulary([per_image[i] for i in train], cfg.min_images)
+    if not vocabulary:
+        raise GraphRiseError(
+            f"graph_rise.min_images {cfg.min_images}: no scene-graph label reaches it on "
+            f"{len(train)} train images; lower it"
+        )
+    write_json(labels_path, vocabulary, indent=1)
+    targets = multi_hot(per_image, vocabulary)  # (N, L)
+
+    # the graph over the train images
+    train_captions = [k for i in train for k in caption_keys[starts[i] : starts[i + 1]]]
+    if cfg.caption_embedding == "sbert":
+        if sbert_embed is None:
+            raise GraphRiseError("graph_rise.caption_embedding is sbert: no encoder was given")
+        by_key = dict(zip(caption_keys, captions, strict=True))
+        cap = np.asarray(sbert_embed([by_key[k] for k in train_captions]), np.float32)
+    else:
+        text = Store.open(text_path, manifest_digest=manifest.digest)
+        hidden = text.fields["document"].shape[-1] // 4
+        cap = caption_vectors(text, train_captions, hidden)
+    vectors = G.image_vectors(cap, [counts[i] for i in train])  # (Ntr, Dt)
+    src, dst, weight = G.knn_graph(vectors, cfg.neighbours)
+    stats = G.graph_statistics(src, dst, weight, targets[train], len(train))
+    train_keys = np.asarray(keys)[train]
+    edges = pa.table(
+        {"src": train_keys[src].tolist(), "dst": train_keys[dst].tolist(), "weight": weight}
+    )
+    graph_path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(edges, graph_path)
+
+    # the head
+    source = Store.open(global_path, manifest_digest=manifest.digest)
+    names = ["features", "valid", *(["projected"] if "projected" in source.fields else [])]
+    data = source.read(0, len(source), names)
+    pooled, valid = data["features"].astype(np.float32), data["valid"].astype(bool)
+    fit = train[valid[train]]  # valid train images; graph rows re-indexed onto them
+    remap = np.full(len(train), -1)
+    remap[valid[train]] = np.arange(len(fit))
+    keep = (remap[src] >= 0) & (remap[dst] >= 0)
+    g = Graph(remap[src[keep]], remap[dst[keep]], weight[keep], len(fit))
+    identity = {
+        "config": cfg.model_dump(mode="json", exclude={"device", "precision_k", "output"}),
+        "labels": _digest(vocabulary),
+        "graph": hashlib.sha256(weight.tobytes() + src.tobytes() + dst.tobytes()).hexdigest(),
+        "features": source.fingerprint,
+    }
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        # a head this small gains nothing from intra-op threads; on shared cores they cost
+        # up to 9x (measured on the demo: 10.7 s against 1.2 s for 5 epochs, load ~10)
+        torch.set_num_threads(1)
+    model, history = train_head(
+        pooled[fit], targets[fit], g, cfg, cfg.alpha, identity, model_dir, resume, device, log
+    )
+    save_torch({**identity, "state_dict": model.state_dict(), "history": history}, model_dir / HEAD)
+    embedding = embed(model, pooled)
+    embedding[~valid] = 0
+
+    k = cfg.precision_k
+    tv = test[valid[test]]
+    precision = {"trained": G.label_precision(embedding[tv], targets[tv], k)}
+    if cfg.alpha > 0:
+        no_graph, _ = train_head(
+            pooled[fit], targets[fit], g, cfg, 0.0, identity, None, False, device, log
+        )
+        precision["alpha_0"] = G.label_precision(embed(no_graph, pooled[tv]), targets[tv], k)
+    if "projected" in data:
+        precision["pca"] = G.label_precision(data["projected"][tv], targets[tv], k)
+    precision["pooled"] = G.label_precision(pooled[tv], targets[tv], k)
+    rng = np.random.default_rng(0)
+    precision["random"] = G.label_precision(
+        rng.standard_normal((len(tv), cfg.dim)).astype(np.float32), targets[tv], k
+    )
+
+    if cfg.output == "pca":
+        if "projected" not in data:
+            raise GraphRiseError(
+                f"{global_path}: no `projected` field for graph_rise.output pca; "
+                "set global.projection_dim"
+            )
+        written = data["projected"]
+    else:
+        written = embedding
+    checkpoint = sha256_file(model_dir / HEAD)
+    provenance = Provenance(
+        f"graph-rise-{cfg.output}",
+        VERSION,
+        {
+            "config": cfg.model_dump(mode="json", exclude={"device", "precision_k"}),
+            "labels": identity["labels"],
+            "graph": identity["graph"],
+            "checkpoint": checkpoint,
+        },
+        source.fingerprint,
+        manifest.digest,
+    )
+    fields = {
+        "features": FieldSpec((written.shape[1],), "float32"),
+        "valid": FieldSpec((), "uint8"),
+    }
+    with StoreWriter(out, "global", fields, keys, provenance, store_cfg, log=log) as w:
+        for shard in w.pending_shards():
+            lo, hi = w.shard_range(shard)
+            w.write_shard(
+                shard, {"features": written[lo:hi], "valid": valid[lo:hi].astype(np.uint8)}
+            )
+    return {
+        "labels": {
+            "vocabulary": len(vocabulary),
+            **{kind: sum(v["kind"] == kind for v in vocabulary) for kind in KINDS},
+            "per_train_image": float(targets[train].sum(1).mean()),
+        },
+        "graph": stats,
+        f"test_label_precision_at_{k}": precision,
+        "trained_over_pca": (precision["trained"] / precision["pca"])
+        if "pca" in precision
+        else None,
+        "history": history[-1] if history else None,
+        "output": cfg.output,
+    }

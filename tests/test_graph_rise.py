@@ -1,0 +1,209 @@
+"""Graph-RISE-style embedding (features.images.graph_rise): labels, graph, loss, trainer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from features.images.graph_rise import graph as G
+from features.images.graph_rise import model as M
+from features.images.graph_rise.labels import image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.stage import GraphRiseConfig
+
+
+def row(objects, attributes=(), relations=()):
+    """A row of graphs.parquet, as the scenegraph stage writes it."""
+    return {
+        "key": "x#0",
+        "caption": "",
+        "objects": [{"span": o, "head": o, "lemma": o} for o in objects],
+        "attributes": [{"object": i, "attribute": a, "lemma": a} for i, a in attributes],
+        "relations": [
+            {"subject": s, "relation": r, "lemma": r, "object": o} for s, r, o in relations
+        ],
+    }
+
+
+def test_labels_of_a_hand_made_image():
+    # "a red circle above a blue square" and "there is a small circle"
+    graphs = [
+        row(["circle", "square"], [(0, "red"), (1, "blue")], [(0, "above", 1)]),
+        row(["circle"], [(0, "small")]),
+    ]
+    assert image_labels(graphs) == {
+        ("object", "circle"),
+        ("object", "square"),
+        ("attribute", "red circle"),
+        ("attribute", "blue square"),
+        ("attribute", "small circle"),
+        ("relation", "circle above square"),
+    }
+    images = [
+        {("object", "circle"), ("attribute", "red circle")},
+        {("object", "circle"), ("object", "square")},
+        {("object", "circle"), ("attribute", "red circle"), ("relation", "a b c")},
+    ]
+    vocab = label_vocabulary(images, min_images=2)  # the floor drops square and the triple
+    assert vocab == [
+        {"kind": "object", "label": "circle", "images": 3},
+        {"kind": "attribute", "label": "red circle", "images": 2},
+    ]
+    np.testing.assert_array_equal(multi_hot(images, vocab), [[1, 1], [1, 0], [1, 1]])
+
+
+def test_knn_graph_matches_brute_force():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 8)).astype(np.float32)
+    x[7] = x[3]  # a tie: the lower index comes first
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    src, dst, w = G.knn_graph(x, 5)
+    expected = []
+    for i in range(len(x)):
+        sims = [(-float(np.dot(x[i], x[j])), j) for j in range(len(x)) if j != i]
+        for s, j in sorted(sims)[:5]:
+            expected.append((i, j, max(-s, 0.0)))
+    assert [(int(a), int(b)) for a, b in zip(src, dst, strict=True)] == [
+        (i, j) for i, j, _ in expected
+    ]
+    np.testing.assert_allclose(w, [e[2] for e in expected], atol=1e-6)
+    # image vectors: the normalised mean of each image's caption vectors
+    caps = rng.standard_normal((6, 4)).astype(np.float32)
+    v = G.image_vectors(caps, [2, 0, 4])
+    mean = caps[2:].mean(0)
+    np.testing.assert_allclose(v[2], mean / np.linalg.norm(mean), rtol=1e-5)
+    np.testing.assert_array_equal(v[1], 0)
+
+
+def test_label_precision_by_hand():
+    vectors = np.array([[1, 0], [0.9, 0.1], [0, 1], [0.1, 0.9]], np.float32)
+    labels = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 1], [0, 1, 1]], np.float32)
+    # k=1: 0 -> 1: |{0}|/1 = 1; 1 -> 0: 1/2; 2 -> 3: 1/2; 3 -> 2: 1/1
+    assert G.label_precision(vectors, labels, k=1) == pytest.approx((1 + 0.5 + 0.5 + 1) / 4)
+
+
+def test_regulariser_matches_a_loop():
+    torch.manual_seed(0)
+    h = torch.randn(6, 4)
+    src, dst = torch.tensor([0, 0, 2, 5, 3]), torch.tensor([1, 4, 3, 0, 2])
+    w = torch.rand(5)
+    total = 0.0
+    for e in range(5):
+        i, j = int(src[e]), int(dst[e])
+        total += float(w[e]) * sum((float(h[i, d]) - float(h[j, d])) ** 2 for d in range(4))
+    assert float(M.graph_regulariser(h, src, dst, w)) == pytest.approx(total, rel=1e-5)
+
+
+def test_label_loss_is_cross_entropy_against_the_label_distribution():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    targets = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # the second has no label
+    logp = logits[0] - torch.logsumexp(logits[0], 0)
+    assert float(M.label_loss(logits, targets)) == pytest.approx(float(-(logp[0] + logp[1]) / 2))
+
+
+def test_batches_pack_neighbours_and_their_edges():
+    src = np.array([0, 0, 1, 2, 3])
+    dst = np.array([1, 2, 3, 0, 0])
+    g = M.Graph(src, dst, np.array([0.5, 0.6, 0.7, 0.8, 0.9]), 5)
+    rows, s, d, w = M.pack_batch(np.array([0]), g, 2, np.random.default_rng(0))
+    assert sorted(rows.tolist()) == [0, 1, 2]  # seed 0 and both its neighbours
+    edges = {(int(rows[a]), int(rows[b])): float(x) for a, b, x in zip(s, d, w, strict=True)}
+    # every graph edge with both ends in the batch, none other
+    assert edges == pytest.approx({(0, 1): 0.5, (0, 2): 0.6, (2, 0): 0.8})
+
+
+def tiny(seed=0):
+    rng = np.random.default_rng(seed)
+    labels = (rng.random((48, 5)) < 0.4).astype(np.float32)
+    x = labels @ rng.standard_normal((5, 12)) + 0.3 * rng.standard_normal((48, 12))
+    src, dst, w = G.knn_graph(G.image_vectors(labels + 0.01, [1] * 48), 3)
+    cfg = GraphRiseConfig(epochs=3, batch_size=16, hidden=16, dim=8)
+    return x.astype(np.float32), labels, M.Graph(src, dst, w, 48), cfg
+
+
+def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeypatch):
+    x, y, g, cfg = tiny()
+    whole, hist = M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "a", log=lambda s: None)
+    again, _ = M.train_head(x, y, g, cfg, 1.0, {"run": 1}, None, log=lambda s: None)
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
+    assert hist[-1]["graph"] > 0
+
+    real_save = M.save_torch
+
+    def save_then_die(obj, path):  # killed right after epoch 1's checkpoint
+        real_save(obj, path)
+        if obj["epoch"] == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(M, "save_torch", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
+    monkeypatch.setattr(M, "save_torch", real_save)
+    resumed, hist_b = M.train_head(
+        x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
+    )
+    assert [h["epoch"] for h in hist_b] == [0, 1, 2]
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0)
+    emb = M.embed(resumed, x)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1, rtol=1e-5)
+
+
+def test_resume_from_another_run_is_one_line(tmp_path):
+    x, y, g, cfg = tiny()
+    M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path, log=lambda s: None)
+    with pytest.raises(M.GraphRiseTrainingError) as err:
+        M.train_head(x, y, g, cfg, 0.5, {"run": 1}, tmp_path, resume=True, log=lambda s: None)
+    message = str(err.value)
+    assert "\n" not in message and "last.pt" in message and "alpha" in message
+
+
+def test_regulariser_pulls_neighbours_together():
+    x, y, g, cfg = tiny()
+    cfg = cfg.model_copy(update={"epochs": 10})
+    off, _ = M.train_head(x, y, g, cfg, 0.0, {}, None, log=lambda s: None)
+    on, _ = M.train_head(x, y, g, cfg, 5.0, {}, None, log=lambda s: None)
+
+    def edge_distance(model):
+        h = M.embed(model, x)
+        src = np.repeat(np.arange(48), 3)  # knn_graph's sources, in order
+        return float(np.mean([np.sum((h[i] - h[j]) ** 2) for i, j in zip(src, g.dst, strict=True)]))
+
+    assert edge_distance(on) < edge_distance(off)
+
+
+def test_a_label_floor_nothing_reaches_is_one_line(tmp_path):
+    from features.images.graph_rise.stage import GraphRiseError, train_graph_rise
+    from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
+    from features.scenegraph.files import write_scene_graphs
+    from features.store.spec import StoreConfig
+
+    records = [
+        Record(f"{s}{i}", f"{s}{i}.png", s, ["a red circle", "a circle"])
+        for s in ("train", "test")
+        for i in range(3)
+    ]
+    write_manifest(records, Dataset("coco", records), 2, tmp_path / "m.parquet")
+    rows = [
+        {**row(["circle"], [(0, "red")]), "key": f"{r.key}#{c}", "caption": r.captions[c]}
+        for r in records
+        for c in range(2)
+    ]
+    write_scene_graphs(tmp_path / "sg", rows, {"nouns": {}, "adjectives": {}, "relations": {}})
+    cfg = GraphRiseConfig(min_images=4)  # 3 train images carry each label
+    with pytest.raises(GraphRiseError) as err:
+        train_graph_rise(
+            read_manifest(tmp_path / "m.parquet"),
+            tmp_path / "global.zarr",
+            tmp_path / "text.zarr",
+            tmp_path / "sg",
+            cfg,
+            tmp_path / "out.zarr",
+            tmp_path / "model",
+            tmp_path / "labels.json",
+            tmp_path / "graph.parquet",
+            StoreConfig(),
+        )
+    message = str(err.value)
+    assert "\n" not in message and "graph_rise.min_images 4" in message and "lower it" in message
