@@ -130,9 +130,11 @@ def _valid_box(x1: float, y1: float, x2: float, y2: float) -> bool:
 
 
 def read_manifest_boxes(manifest: Manifest, cfg: DetectorConfig) -> DetectionDataset:
-    """Images of a manifest that have boxes; classes and attributes sorted by name."""
-    images, dropped = [], Counter()
+    """Images of a manifest that have boxes; classes and attributes sorted by name. Its
+    records are the boxes (prepare has validated them)."""
+    images, dropped, boxes_read = [], Counter(), 0
     for row in manifest.table.to_pylist():
+        boxes_read += len(row["boxes"] or [])
         if not row["boxes"]:
             dropped["images_without_boxes"] += 1
             continue
@@ -162,7 +164,9 @@ def read_manifest_boxes(manifest: Manifest, cfg: DetectorConfig) -> DetectionDat
         )
     classes = sorted({n for im in images for n in im.names})
     attributes = sorted({a for im in images for attrs in im.attributes or [] for a in attrs})
-    return DetectionDataset(manifest.dataset, images, classes, attributes, _clean(dropped))
+    return DetectionDataset(
+        manifest.dataset, images, classes, attributes, _clean(dropped), records_read=boxes_read
+    )
 
 
 def read_coco(train_json: Path, val_json: Path | None, cfg: DetectorConfig) -> DetectionDataset:
