@@ -468,7 +468,7 @@ class StoreWriter:
                     f"{array.shape}, expected {(stop - start, *spec.shape)}"
                 )
             rel = chunk_key(name, shard, array.ndim)
-            if self.cfg.compression == "none":
+            if self._raw:
                 files[rel] = write_raw_shard(self.path / rel, array, *self._dense_chunking)
             else:
                 self.group[name][start:stop] = array
@@ -486,6 +486,12 @@ class StoreWriter:
         }
         self._write_marker(shard, json.dumps(marker, sort_keys=True))
         self.committed.add(shard)
+
+    @property
+    def _raw(self) -> bool:
+        """Whether shard files are laid out by :func:`write_raw_shard` (uncompressed stores)
+        rather than through Zarr's API (compressed ones)."""
+        return self.cfg.compression == "none"
 
     @property
     def _dense_chunking(self) -> tuple[int, int]:
@@ -509,7 +515,7 @@ class StoreWriter:
                 f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
                 f"shard range {start}:{stop}"
             )
-        raw = self.cfg.compression == "none"
+        raw = self._raw
         values = self.group[name]
         first = values.shape[0]
         lengths = [len(s) for s in samples]
