@@ -19,27 +19,31 @@ from infra.files import atomic_path
 NO_CHUNK = np.iinfo(np.uint64).max  # index entry of an absent chunk: (offset, nbytes)
 
 
-def write_raw_shard(path: Path, array: np.ndarray, chunk: int, per_shard: int) -> str:
-    """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``) as
-    Zarr's sharding codec lays it out (``layout.field_codecs``: the chunks along axis 0
-    back to back, little-endian, then the index: (offset, nbytes) uint64 per chunk, absent
-    ones all ones, and the index's CRC-32C), atomically; returns its checksum, computed as
-    written rather than read back."""
-    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    present = -(-len(array) // chunk)
-    chunk_bytes = chunk * array[0].nbytes if len(array) else 0
+def write_raw_shard(path: Path, pieces: list[np.ndarray], chunk: int, per_shard: int) -> str:
+    """Write one uncompressed shard file (``per_shard`` rows in chunks of ``chunk``) of the
+    rows of ``pieces`` laid end to end (no copy joins them), as Zarr's sharding codec lays
+    it out (``layout.field_codecs``: the chunks along axis 0 back to back, little-endian,
+    then the index: (offset, nbytes) uint64 per chunk, absent ones all ones, and the
+    index's CRC-32C), atomically; returns its checksum, computed as written rather than
+    read back."""
+    pieces = [np.ascontiguousarray(p, dtype=p.dtype.newbyteorder("<")) for p in pieces]
+    rows = sum(len(p) for p in pieces)
+    present = -(-rows // chunk)
+    chunk_bytes = chunk * pieces[0].itemsize * int(np.prod(pieces[0].shape[1:], dtype=np.int64))
     index = np.full((per_shard // chunk, 2), NO_CHUNK, dtype="<u8")
     index[:present, 0] = np.arange(present, dtype=np.uint64) * chunk_bytes
     index[:present, 1] = chunk_bytes
     tail = index.tobytes()
     tail += google_crc32c.value(tail).to_bytes(4, "little")
-    padding = bytes(present * chunk_bytes - array.nbytes)  # the last chunk's fill
-    crc = google_crc32c.value(readonly_view(array))
-    crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
+    padding = bytes(present * chunk_bytes - sum(p.nbytes for p in pieces))  # last chunk's fill
+    crc = 0
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        array.tofile(f)
+        for piece in pieces:
+            piece.tofile(f)
+            crc = google_crc32c.extend(crc, readonly_view(piece))
         f.write(padding)
         f.write(tail)
+    crc = google_crc32c.extend(google_crc32c.extend(crc, padding), tail)
     return f"crc32c:{crc:08x}"
 
 

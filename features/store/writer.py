@@ -497,7 +497,7 @@ class StoreWriter:
         if self._raw:
             per_shard = self.cfg.samples_per_shard
             files[rel] = write_raw_shard(
-                self.path / rel, array, self.cfg.samples_per_chunk, per_shard
+                self.path / rel, [array], self.cfg.samples_per_chunk, per_shard
             )
         else:
             start = shard * self.cfg.samples_per_shard
@@ -509,8 +509,9 @@ class StoreWriter:
         write_marker(self.path / chunk_key(COMMITS, shard, 1), text)
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
-        """Rows of samples ``start:stop`` after the rows so far, through Zarr's API (the
-        hand layout was no faster here: benchmarks/store_write.py), and their offsets."""
+        """Rows of samples ``start:stop`` after the rows so far, and their offsets. A row
+        shard file that already holds rows is rewritten: its rows so far, then the new
+        ones (laid out by hand in uncompressed stores, else through Zarr's API)."""
         if len(samples) != stop - start:
             raise StoreError(
                 f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
@@ -530,10 +531,24 @@ class StoreWriter:
                     f"{flat.shape[1:]}, expected {spec.shape}"
                 )
             values.resize((last, *spec.shape))
-            values[first:last] = flat
-            shard_rows = values.shards[0]
+            shard_rows, chunk_rows = values.shards[0], values.chunks[0]
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
-                files[chunk_key(name, index, values.ndim)] = ""
+                rel = chunk_key(name, index, values.ndim)
+                files[rel] = ""
+                if not self._raw:
+                    continue
+                lo, hi = index * shard_rows, min(last, (index + 1) * shard_rows)
+                pieces = [flat[max(lo - first, 0) : hi - first]]
+                if lo < first:  # the file's rows so far come first: read them back
+                    kept = np.fromfile(
+                        self.path / rel,
+                        np.dtype(spec.dtype).newbyteorder("<"),
+                        count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
+                    )
+                    pieces.insert(0, kept.reshape(first - lo, *spec.shape))
+                files[rel] = write_raw_shard(self.path / rel, pieces, chunk_rows, shard_rows)
+            if not self._raw:
+                values[first:last] = flat
         return [int(first), int(last)]
 
     def write_extra(self, name: str, array: np.ndarray) -> None:
