@@ -287,7 +287,7 @@ class StoreWriter:
             handle.flush()
             self._shard_lock_files.append(handle)
 
-    def _layout(self) -> dict:
+    def _layout_attrs(self) -> dict:
         """The layout params, and the chunk keys' separator (a store with other keys is
         started over)."""
         return {**self.cfg.model_dump(), "chunk_key_separator": SEPARATOR}
@@ -308,7 +308,7 @@ class StoreWriter:
         return (
             attrs.get("schema_version") == SCHEMA_VERSION
             and attrs.get("fingerprint") == self.fingerprint
-            and attrs.get("layout") == self._layout()
+            and attrs.get("layout") == self._layout_attrs()
             and attrs.get("n") == self.n
         )
 
@@ -339,7 +339,7 @@ class StoreWriter:
             "fingerprint": self.fingerprint,
             "inputs": asdict(self.provenance),
             "fields": {k: asdict(v) for k, v in self.fields.items()},
-            "layout": self._layout(),
+            "layout": self._layout_attrs(),
             "n": self.n,
             "n_shards": self.n_shards,
             "complete": False,
