@@ -9,7 +9,11 @@ what streaming training reads), with and without the check of every member's CRC
 warm (each shard mapped and checked once, as every epoch after a process's first read
 of it) and on a shard's first read (maps dropped before each pass; also the bare read,
 not gathered). Targets: store gathers >= 0.8x, WebDataset streaming >= 0.5x
-(issue 16); the members' check costs <= 10% of shard read throughput (issue 25).
+(issue 16); the members' check costs <= 10% of shard read throughput (issue 25). Zarr's
+own API reads the same stores too (``Array.oindex[batch]``, its sharding codec: a few
+batches a pass, it is slow), on this COCO-sized store and on one of the demo's regions
+shape (800 x (10, 256) float16), against ``Store.gather``: the hand reader stays only
+where it is at least 1.5x faster (issue 22).
 ``benchmarks/train_input.py`` measures whole training batches.
 
     python benchmarks/store_read.py [--n 4096] [--batch 128] [--dir /tmp/vse-bench]
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 from torch.utils.data import DataLoader, IterableDataset
 
 from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
@@ -151,6 +156,15 @@ def main() -> None:
             store[key]
         return len(picks)
 
+    zarr_features = zarr.open_array(root / "regions.zarr" / "features", mode="r")
+    zarr_batches = max(1, min(4, n // batch))
+
+    def zarr_oindex() -> int:  # Zarr's API: orthogonal selection of a random batch
+        order = rng.permutation(n)
+        for i in range(zarr_batches):
+            zarr_features.oindex[order[i * batch : (i + 1) * batch]]
+        return zarr_batches * batch
+
     fields = sizes["stores"]["regions"]["fields"]
 
     def webdataset(checked: bool = True) -> int:  # groups in shard order, shuffled in 2048
@@ -194,6 +208,7 @@ def main() -> None:
             "numpy memmap, random batches (baseline)": memmap_batches,
             "numpy memmap, per-sample reads": memmap_per_sample,
             "store gather, random batches": store_gather,
+            "Zarr API, random batches (Array.oindex)": zarr_oindex,
             "numpy memmap, random batches, 1 DataLoader worker": memmap_worker,
             "store random access by key": by_key,
             "WebDataset streaming (groups, gathered)": webdataset,
@@ -223,8 +238,46 @@ def main() -> None:
     ]:
         cost = 1 - results[checked] / results[unchecked]
         print(f"CRC-32C check of every member costs {cost:6.1%}: {checked}")
+    demo_shapes(root, rng, batch, args.rounds)
     if args.dir is None:
         shutil.rmtree(root)
+
+
+def demo_shapes(root: Path, rng, batch: int, rounds: int) -> None:
+    """``Store.gather`` against Zarr's API on a store of the demo's regions shape."""
+    n, r, d = 800, 10, 256
+    data = rng.standard_normal((n, r, d), dtype=np.float32).astype(np.float16)
+    keys = [f"img{i:06d}" for i in range(n)]
+    fields = {"features": regions_fields(r, d)["features"]}
+    provenance = Provenance("bench", "1", {}, None, "m" * 64)
+    path = root / "demo.zarr"
+    with StoreWriter(path, "regions", fields, keys, provenance, log=lambda m: None) as writer:
+        for shard in writer.pending_shards():
+            start, stop = writer.shard_range(shard)
+            writer.write_shard(shard, {"features": data[start:stop]})
+    store = Store.open(path)
+    array = zarr.open_array(path / "features", mode="r")
+
+    def batches(read, count: int) -> int:
+        order = rng.permutation(n)
+        for i in range(count):
+            read(order[i * batch : (i + 1) * batch])
+        return count * batch
+
+    results = measure(
+        {
+            "demo regions: store gather (hand reader)": lambda: batches(
+                lambda b: store.gather("features", b), n // batch
+            ),
+            "demo regions: Zarr API (Array.oindex)": lambda: batches(lambda b: array.oindex[b], 2),
+        },
+        rounds,
+    )
+    base = results["demo regions: Zarr API (Array.oindex)"]
+    print(f"\ndemo-shaped store ({n} x ({r}, {d}) float16), batch {batch}")
+    print(f"{'reader':<52}{'samples/s':>11}{'x Zarr':>10}")
+    for name, rate in results.items():
+        print(f"{name:<52}{rate:>11.0f}{rate / base:>10.2f}")
 
 
 if __name__ == "__main__":

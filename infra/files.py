@@ -11,7 +11,6 @@ writing in place.
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import os
@@ -69,15 +68,16 @@ def sweep_stale(path: str | Path) -> None:
     (``.<name>.<pid>.<random>.tmp``) and old copies a killed :func:`replace_dir` moved
     aside (``.<name>.old-<pid>``), of processes that are gone."""
     path = Path(path)
+    prefix = f".{path.name}."
+    try:  # one listing, no glob patterns: this runs before every atomic write
+        names = [e.name for e in os.scandir(path.parent) if e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return
     stale = [
-        p
-        for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp")
-        if _gone(p.name[len(path.name) + 2 :].split(".", 1)[0])
-    ]
-    stale += [
-        p
-        for p in path.parent.glob(f".{glob.escape(path.name)}.old-*")
-        if _gone(p.name.rsplit("-", 1)[1])
+        path.parent / name
+        for name in names
+        if (name.endswith(".tmp") and _gone(name[len(prefix) :].split(".", 1)[0]))
+        or (name[len(prefix) :].startswith("old-") and _gone(name.rsplit("-", 1)[1]))
     ]
     for p in stale:
         if p.is_dir() and not p.is_symlink():

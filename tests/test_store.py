@@ -1,5 +1,6 @@
 """Feature store: layout, fingerprints, crash-safe resumable writes, readers, verify."""
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,14 @@ import zarr
 from features.store.integrity import verify_store
 from features.store.layout import incomplete_path
 from features.store.reader import Store, join_by_key
-from features.store.spec import Provenance, StoreConfig, StoreError, ragged_fields, regions_fields
+from features.store.spec import (
+    FieldSpec,
+    Provenance,
+    StoreConfig,
+    StoreError,
+    ragged_fields,
+    regions_fields,
+)
 from features.store.writer import StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -515,3 +523,38 @@ def test_ragged_shard_files_are_the_bytes_zarr_writes(tmp_path):
     for rel in data_files:
         assert ours[rel] == theirs[rel], rel
     assert Store.open(tmp_path / "s.zarr").verify() == []
+
+
+def _tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(f.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def test_stores_keep_the_bytes_they_were_first_written_with(tmp_path):
+    """Every file of a regions, a ragged and a compressed store (with an extra) is what the
+    writer produced before the codecs were pinned (digests recorded from that version):
+    a change of Zarr's defaults or of the hand layout would change every store's bytes
+    and every `dvc.lock` output, and fails here instead."""
+    job.run(tmp_path / "r.zarr", "regions", 37, 8)
+    job.run(tmp_path / "t.zarr", "tokens", 37, 8)
+    fields = {"f": FieldSpec((3,), "float16"), "r": FieldSpec((2,), "float32", ragged=True)}
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4, compression="zstd")
+    keys = [f"k{i}" for i in range(21)]
+    with StoreWriter(tmp_path / "z.zarr", "x", fields, keys, job.PROVENANCE, cfg, log=len) as w:
+        for shard in w.pending_shards():
+            a, b = w.shard_range(shard)
+            rows = [np.full((i % 3, 2), i) for i in range(a, b)]
+            w.write_shard(shard, {"f": np.arange(a * 3, b * 3).reshape(-1, 3), "r": rows})
+        w.write_extra("proj", np.arange(12.0).reshape(3, 4))
+    assert _tree_digest(tmp_path / "r.zarr") == (
+        "40740ab4ea2bc577d706852f511adb6b7fa28947225b5f94daf10c2491a0b735"
+    )
+    assert _tree_digest(tmp_path / "t.zarr") == (
+        "5005946d7c5cbc96f44fdb3a77c13d5df8cb270511cd1142e71410ae1d005705"
+    )
+    assert _tree_digest(tmp_path / "z.zarr") == (
+        "c7fda35acc4752ea023ffc948cdd9f14bb670556bc297339f0da4d622a5e172f"
+    )

@@ -14,7 +14,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from features.store.layout import CHECKSUMS_CHUNK, COMMITS, LOCK, SHARD_LOCKS, chunk_key
+from features.store.layout import CHECKSUMS_CHUNK, COMMITS, LOCK, SHARD_LOCKS, chunk_key, is_temp
 from features.store.spec import StoreError
 
 
@@ -113,7 +113,7 @@ def store_files(path: Path) -> Iterator[tuple[str, Path]]:
     for file in sorted(path.rglob("*")):
         rel = file.relative_to(path).as_posix()
         if file.is_file() and not (
-            rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or rel.endswith(".partial")
+            rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or is_temp(file.name)
         ):
             yield rel, file
 
@@ -169,7 +169,7 @@ def verify_store(url: str | Path, storage_options: dict | None = None) -> list[s
         present = {
             p[len(root) + 1 :]
             for p in fs.find(root)
-            if not p.endswith(".partial") and p[len(root) + 1 :] not in (LOCK,)
+            if not is_temp(p.rsplit("/", 1)[-1]) and p[len(root) + 1 :] not in (LOCK,)
         }
     except FileNotFoundError:
         present = set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, VLenUTF8Codec, ZstdCodec
 
 from features.store.spec import StoreConfig
 
@@ -41,15 +42,47 @@ def flat_keys() -> dict:
     return {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
 
 
-def array_codecs(cfg: StoreConfig) -> dict:
-    compressors = zarr.codecs.ZstdCodec(level=1) if cfg.compression == "zstd" else None
-    return {"compressors": compressors}
+# Every codec of every array, pinned (none left to Zarr's defaults, which may change): the
+# values are those the stores were first written with, so their bytes stay the same.
+LITTLE = BytesCodec(endian="little")
+
+
+STRINGS_LEVEL = 0  # Zstd level of the keys and commit markers (raw.encode_marker)
+
+
+STRINGS = {"serializer": VLenUTF8Codec(), "compressors": ZstdCodec(level=STRINGS_LEVEL)}
+
+
+MANIFEST = {"serializer": VLenUTF8Codec(), "compressors": None}  # the checksum manifest
+
+
+EXTRAS = {"serializer": LITTLE, "compressors": ZstdCodec(level=0)}  # store-level arrays
+
+
+def field_codecs(cfg: StoreConfig, chunk_shape: tuple[int, ...]) -> dict:
+    """A field's codecs: Zarr's sharding codec (chunks of ``chunk_shape`` in a shard file,
+    little-endian, Zstd level 1 if compressed; the index at the end with its CRC-32C),
+    with the array's ``chunks`` set to the shard shape."""
+    inner = [LITTLE] + ([ZstdCodec(level=1)] if cfg.compression == "zstd" else [])
+    sharding = ShardingCodec(
+        chunk_shape=chunk_shape,
+        codecs=inner,
+        index_codecs=[LITTLE, Crc32cCodec()],
+        index_location="end",
+    )
+    return {"serializer": sharding, "compressors": None, "filters": None}
 
 
 def write_every_chunk():
     """Write chunks of zeros too, so each committed shard has a fixed set of files (the
     setting is not saved with an array, so it is set around every write)."""
     return zarr.config.set({"array.write_empty_chunks": True})
+
+
+def is_temp(name: str) -> bool:
+    """Whether a file name is a writer's temporary file (``infra.files.atomic_path``'s
+    ``.<name>.<pid>.<random>.tmp``, or ``<name>.<pid>.partial`` of older writers)."""
+    return name.endswith(".partial") or (name.startswith(".") and name.endswith(".tmp"))
 
 
 def incomplete_path(path: str | Path) -> Path:

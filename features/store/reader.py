@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zarr
@@ -18,6 +18,7 @@ import zarr
 from features.store.gather import padded_rows, take_rows
 from features.store.integrity import verify_store
 from features.store.layout import COMMITS, INCOMPLETE, chunk_key
+from features.store.raw import contiguous_rows, shard_index
 from features.store.spec import SCHEMA_VERSION, FieldSpec, StoreError
 
 IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
@@ -27,6 +28,33 @@ MAX_MAPS = 4096  # shard files a reader keeps mapped (each holds a file descript
 
 
 CACHED_CHUNKS = 16  # chunks a reader of a remote or compressed store keeps
+
+
+class Kept:
+    """The ``size`` values last made, by key: ``kept(key, make)`` returns the kept value
+    or keeps ``make()``, dropping the least recently used one when full."""
+
+    def __init__(self, size: int):
+        self.size, self.items = size, OrderedDict()
+
+    def __call__(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        if len(self.items) >= self.size:
+            self.items.popitem(last=False)
+        value = self.items[key] = make()
+        return value
+
+
+class Geometry(NamedTuple):
+    """How an array lies in its shard files: shape, rows per chunk and per shard file,
+    little-endian dtype."""
+
+    shape: tuple[int, ...]
+    chunk_rows: int
+    shard_rows: int
+    dtype: np.dtype
 
 
 # what a store's "vse" attributes must hold, and of which type, to be read
@@ -94,12 +122,13 @@ class Store:
     storage_options: dict | None = None
     _key_index: dict[str, int] | None = field(default=None, repr=False)
     _offsets: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    _maps: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _memory: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    _chunks: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _arrays: dict = field(default_factory=dict, repr=False)
-    _layouts: dict = field(default_factory=dict, repr=False)
-    _views: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _geometries: dict[str, Geometry] = field(default_factory=dict, repr=False)
+    # mapped shard files and their indexes; their rows as views; chunks read through Zarr
+    _mapped_files: Kept = field(default_factory=lambda: Kept(MAX_MAPS), repr=False)
+    _shard_views: Kept = field(default_factory=lambda: Kept(MAX_MAPS), repr=False)
+    _zarr_chunks: Kept = field(default_factory=lambda: Kept(CACHED_CHUNKS), repr=False)
 
     @classmethod
     def open(
@@ -259,7 +288,7 @@ class Store:
                 cuts = offsets[start : stop + 1] - offsets[start]
                 out[name] = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
             elif self._mappable:
-                view = self._mapped(name, spec, start, stop)
+                view = self._mapped_slice(name, start, stop)
                 out[name] = np.array(view) if copy else view
             else:
                 out[name] = self.group[name][start:stop]
@@ -270,36 +299,30 @@ class Store:
         """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
         return self.attrs["layout"]["compression"] == "none" and "://" not in self.url
 
-    def _shard_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
+    def _mapped_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
         """Shard file ``shard`` (along axis 0) of array ``name`` (a field, or a ragged
-        field's rows) mapped into memory, and its index: (offset, nbytes) per chunk."""
-        cache_key = (name, shard)
-        if cache_key in self._maps:
-            self._maps.move_to_end(cache_key)
-            return self._maps[cache_key]
-        if len(self._maps) >= MAX_MAPS:  # each mapping holds a file descriptor
-            self._maps.popitem(last=False)
-        array = self._array(name)
-        separator = self.attrs["layout"].get("chunk_key_separator", "/")
-        rel = chunk_key(name, shard, array.ndim, separator)
-        data = np.memmap(Path(self.url) / rel, np.uint8, "r")
-        n_chunks = array.shards[0] // array.chunks[0]
-        # sharding codec index, at the end: n_chunks x (offset, nbytes) uint64 + crc32c
-        index = data[-(16 * n_chunks + 4) : -4].view("<u8").reshape(n_chunks, 2)
-        self._maps[cache_key] = (data, index)
-        return data, index
+        field's rows) mapped into memory, and its index: (offset, nbytes) per chunk; kept
+        (each mapping holds a file descriptor)."""
 
-    def _mapped(self, name: str, spec: FieldSpec, start: int, stop: int) -> np.ndarray:
-        chunk, per_shard = self.samples_per_chunk, self.samples_per_shard
-        dtype = np.dtype(spec.dtype).newbyteorder("<")
-        pieces = []
-        for c in range(start // chunk, (stop - 1) // chunk + 1):
-            shard, inner = divmod(c * chunk, per_shard)
-            data, index = self._shard_file(name, shard)
-            offset, nbytes = (int(v) for v in index[inner // chunk])
-            values = data[offset : offset + nbytes].view(dtype).reshape(chunk, *spec.shape)
-            lo, hi = max(start - c * chunk, 0), min(stop - c * chunk, chunk)
-            pieces.append(values[lo:hi])
+        def open_file():
+            geometry = self._geometry(name)
+            separator = self.attrs["layout"].get("chunk_key_separator", "/")
+            rel = chunk_key(name, shard, len(geometry.shape), separator)
+            data = np.memmap(Path(self.url) / rel, np.uint8, "r")
+            return data, shard_index(data, geometry.shard_rows // geometry.chunk_rows)
+
+        return self._mapped_files((name, shard), open_file)
+
+    def _mapped_slice(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of array ``name`` from its mapped shard files (a view when
+        they lie in one)."""
+        shape, _, shard_rows, dtype = self._geometry(name)
+        pieces = [
+            self._shard_rows(name, k)[max(start - k * shard_rows, 0) : stop - k * shard_rows]
+            for k in range(start // shard_rows, -(-stop // shard_rows))
+        ]
+        if not pieces:
+            return np.empty((0, *shape[1:]), dtype)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _array(self, name: str):
@@ -308,83 +331,62 @@ class Store:
             self._arrays[name] = self.group[name]
         return self._arrays[name]
 
-    def _layout(self, name: str) -> tuple[tuple[int, ...], int, int, np.dtype]:
-        """Shape, rows per chunk, rows per shard file and dtype of array ``name``, kept."""
-        if name not in self._layouts:
+    def _geometry(self, name: str) -> Geometry:
+        """How array ``name`` lies in its shard files, kept."""
+        if name not in self._geometries:
             array = self._array(name)
-            self._layouts[name] = (
+            self._geometries[name] = Geometry(
                 tuple(array.shape),
                 array.chunks[0],
                 array.shards[0],
                 np.dtype(array.dtype).newbyteorder("<"),
             )
-        return self._layouts[name]
+        return self._geometries[name]
 
-    def _part(self, name: str, k: int) -> np.ndarray:
+    def _shard_rows(self, name: str, k: int) -> np.ndarray:
         """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array
-        (kept): a view of its memory-mapped shard file, which holds its chunks back to back
-        in order (what the writer produces; a file laid out otherwise is read through
-        Zarr)."""
-        key = (name, k)
-        if key in self._views:
-            self._views.move_to_end(key)
-            return self._views[key]
-        shape, chunk_rows, shard_rows, dtype = self._layout(name)
-        data, index = self._shard_file(name, k)
-        n = -(-(min(shape[0], (k + 1) * shard_rows) - k * shard_rows) // chunk_rows)
-        chunk_bytes = chunk_rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        expected = np.stack([np.arange(n) * chunk_bytes, np.full(n, chunk_bytes)], 1)
-        if np.array_equal(index[:n], expected):
-            view = data[: n * chunk_bytes].view(np.ndarray).view(dtype)
-            view = view.reshape(n * chunk_rows, *shape[1:])
-        else:
-            view = self._zarr_part(name, k, shard_rows)
-        if len(self._views) >= MAX_MAPS:
-            self._views.popitem(last=False)
-        self._views[key] = view
-        return view
+        (kept): a view of its memory-mapped shard file when its chunks lie back to back in
+        order (what the writer and Zarr produce), else read through Zarr."""
 
-    def _zarr_part(self, name: str, k: int, rows: int) -> np.ndarray:
+        def view():
+            shape, chunk_rows, shard_rows, dtype = self._geometry(name)
+            data, index = self._mapped_file(name, k)
+            rows = min(shape[0], (k + 1) * shard_rows) - k * shard_rows
+            mapped = contiguous_rows(data, index, rows, chunk_rows, shape[1:], dtype)
+            return self._zarr_rows(name, k, shard_rows) if mapped is None else mapped
+
+        return self._shard_views((name, k), view)
+
+    def _zarr_rows(self, name: str, k: int, rows: int) -> np.ndarray:
         """Rows ``k * rows:(k + 1) * rows`` of array ``name`` read through Zarr; the last
         few are kept (remote and compressed stores read a chunk at a time)."""
-        key = (name, k, rows)
-        if key in self._chunks:
-            self._chunks.move_to_end(key)
-        else:
-            if len(self._chunks) >= CACHED_CHUNKS:
-                self._chunks.popitem(last=False)
-            self._chunks[key] = self._array(name)[k * rows : (k + 1) * rows]
-        return self._chunks[key]
+        return self._zarr_chunks(
+            (name, k, rows), lambda: self._array(name)[k * rows : (k + 1) * rows]
+        )
 
     def _take(self, name: str, rows: np.ndarray, out: np.ndarray, positions=None) -> None:
         """``out[positions] = rows`` of array ``name`` (a dense field's samples or a ragged
         field's value rows; ``rows`` valid): from memory when the array is small (read
         once), else one fancy-indexed copy per memory-mapped shard file touched (local,
         uncompressed stores) or per chunk read through Zarr (remote or compressed)."""
-        shape, chunk_rows, shard_rows, dtype = self._layout(name)
+        shape, chunk_rows, shard_rows, dtype = self._geometry(name)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if name not in self._memory and nbytes <= IN_MEMORY_BYTES:
             self._memory[name] = (
-                self._mapped_rows(name) if self._mappable else np.asarray(self._array(name)[...])
+                np.array(self._mapped_slice(name, 0, shape[0]))
+                if self._mappable
+                else np.asarray(self._array(name)[...])
             )
         if name in self._memory:
             take_rows(lambda k: self._memory[name], np.zeros(1, np.int64), rows, out, positions)
             return
         if self._mappable:
             unit = shard_rows
-            part = functools.partial(self._part, name)
+            part = functools.partial(self._shard_rows, name)
         else:
             unit = chunk_rows
-            part = functools.partial(self._zarr_part, name, rows=unit)
+            part = functools.partial(self._zarr_rows, name, rows=unit)
         take_rows(part, np.arange(0, shape[0], unit, dtype=np.int64), rows, out, positions)
-
-    def _mapped_rows(self, name: str) -> np.ndarray:
-        """All rows of array ``name`` copied from its shard files."""
-        shape, _, shard_rows, dtype = self._layout(name)
-        n_files = -(-shape[0] // shard_rows)
-        if not n_files:
-            return np.empty(shape, dtype)
-        return np.concatenate([self._part(name, k) for k in range(n_files)])[: shape[0]]
 
     def gather(self, name: str, indices: Sequence[int], alloc=np.empty) -> np.ndarray:
         """Dense field ``name`` of the samples at ``indices`` (any order, repeats allowed):
@@ -442,7 +444,11 @@ class Store:
         """Picklable (e.g. for data-loading worker processes): handles are reopened."""
         state = dict(self.__dict__)
         state.update(group=None, _key_index=None, _memory={}, _arrays={})
-        state.update(_maps=OrderedDict(), _chunks=OrderedDict(), _views=OrderedDict())
+        state.update(
+            _mapped_files=Kept(MAX_MAPS),
+            _shard_views=Kept(MAX_MAPS),
+            _zarr_chunks=Kept(CACHED_CHUNKS),
+        )
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -13,7 +13,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numcodecs
 import numpy as np
 import zarr
 
@@ -28,17 +27,21 @@ from features.store.layout import (
     CHECKSUMS,
     CHECKSUMS_CHUNK,
     COMMITS,
+    EXTRAS,
     LOCK,
+    MANIFEST,
     SEPARATOR,
     SHARD_LOCKS,
-    array_codecs,
+    STRINGS,
     chunk_key,
+    field_codecs,
     flat_keys,
     incomplete_path,
+    is_temp,
     write_every_chunk,
 )
 from features.store.locks import same_file, utc_now
-from features.store.raw import write_raw_shard
+from features.store.raw import write_marker, write_raw_shard
 from features.store.spec import (
     RAGGED_ROWS_PER_SAMPLE,
     SCHEMA_VERSION,
@@ -140,8 +143,9 @@ class StoreWriter:
             )
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire_lock()
-        for partial in self.path.rglob("*.partial"):  # temp files of a killed writer
-            partial.unlink()
+        for temp in self.path.rglob("*"):  # a killed writer's temporary files
+            if is_temp(temp.name):
+                temp.unlink()
         sweep_stale(self.target)  # what a killed move into place left
         # no shard writer can hold a lock while we hold .lock exclusively
         shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
@@ -156,8 +160,7 @@ class StoreWriter:
         if existing is None:
             self._clear()
             self._create()
-        self.group = zarr.open_group(self.path, mode="r+")
-        self.commits = self.group[COMMITS]
+        self._open_group()
         markers = self.commits[:]
         self.committed = {k for k, m in enumerate(markers) if m}
         if self.committed:
@@ -246,17 +249,21 @@ class StoreWriter:
                     "(the coordinator) first"
                 )
             self._lock_shards()
-            self.group = zarr.open_group(self.path, mode="r+")
-            self.commits = self.group[COMMITS]
+            self._open_group()
             markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
             self.committed = {k for k, m in enumerate(markers) if m}
-            for shard in self.pending_shards():  # temp files of a killed writer of our shards
-                for rel in self._shard_files(shard):
-                    for partial in (self.path / rel).parent.glob(f"{Path(rel).name}.*.partial"):
-                        partial.unlink(missing_ok=True)
+            # a killed writer's temporary files of our shards: swept by atomic_path
         except BaseException:
             self.close()
             raise
+
+    def _open_group(self) -> None:
+        """The store's group, commit markers and arrays, kept (each lookup through the group
+        costs ~1 ms; a resized array must be the one object that knows its shape)."""
+        self.group = zarr.open_group(self.path, mode="r+")
+        self.commits = self.group[COMMITS]
+        names = [[n, f"{n}_offsets"] if s.ragged else [n] for n, s in self.fields.items()]
+        self._arrays = {name: self.group[name] for group in names for name in group}
 
     def _lock_shards(self) -> None:
         folder = self.path / SHARD_LOCKS
@@ -280,12 +287,7 @@ class StoreWriter:
             handle.flush()
             self._shard_lock_files.append(handle)
 
-    def _shard_files(self, shard: int) -> list[str]:
-        """Files of a dense shard, relative to the store: one per field, and its marker."""
-        files = [chunk_key(n, shard, 1 + len(s.shape)) for n, s in self.fields.items()]
-        return [*files, chunk_key(COMMITS, shard, 1)]
-
-    def _layout(self) -> dict:
+    def _layout_attrs(self) -> dict:
         """The layout params, and the chunk keys' separator (a store with other keys is
         started over)."""
         return {**self.cfg.model_dump(), "chunk_key_separator": SEPARATOR}
@@ -306,7 +308,7 @@ class StoreWriter:
         return (
             attrs.get("schema_version") == SCHEMA_VERSION
             and attrs.get("fingerprint") == self.fingerprint
-            and attrs.get("layout") == self._layout()
+            and attrs.get("layout") == self._layout_attrs()
             and attrs.get("n") == self.n
         )
 
@@ -337,13 +339,13 @@ class StoreWriter:
             "fingerprint": self.fingerprint,
             "inputs": asdict(self.provenance),
             "fields": {k: asdict(v) for k, v in self.fields.items()},
-            "layout": self._layout(),
+            "layout": self._layout_attrs(),
             "n": self.n,
             "n_shards": self.n_shards,
             "complete": False,
         }
         keys = group.create_array(
-            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **flat_keys()
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **STRINGS, **flat_keys()
         )
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
@@ -356,25 +358,25 @@ class StoreWriter:
                 group.create_array(
                     name,
                     shape=(0, *spec.shape),
-                    chunks=(rows_chunk, *spec.shape),
-                    shards=(rows_shard, *spec.shape),
+                    chunks=(rows_shard, *spec.shape),
                     dtype=spec.dtype,
                     fill_value=0,
-                    **array_codecs(cfg),
+                    **field_codecs(cfg, (rows_chunk, *spec.shape)),
                     **flat_keys(),
                 )
                 name, spec = f"{name}_offsets", FieldSpec((), "int64")
             group.create_array(
                 name,
                 shape=(self.n, *spec.shape),
-                chunks=(chunk, *spec.shape),
-                shards=(cfg.samples_per_shard, *spec.shape),
+                chunks=(cfg.samples_per_shard, *spec.shape),
                 dtype=spec.dtype,
                 fill_value=0,
-                **array_codecs(cfg),
+                **field_codecs(cfg, (chunk, *spec.shape)),
                 **flat_keys(),
             )
-        group.create_array(COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **flat_keys())
+        group.create_array(
+            COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **STRINGS, **flat_keys()
+        )
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
@@ -401,7 +403,7 @@ class StoreWriter:
                 self.commits[k] = ""
                 self.committed.discard(k)
         for name, rows in self._rows_committed(markers).items():
-            array = self.group[name]
+            array = self._arrays[name]
             if array.shape[0] == rows:
                 continue
             shard_rows = array.shards[0]
@@ -467,12 +469,7 @@ class StoreWriter:
                     f"store {self.path}: field {name!r} of shard {shard} has shape "
                     f"{array.shape}, expected {(stop - start, *spec.shape)}"
                 )
-            rel = chunk_key(name, shard, array.ndim)
-            if self.cfg.compression == "none":
-                files[rel] = write_raw_shard(self.path / rel, array, *self._dense_chunking)
-            else:
-                self.group[name][start:stop] = array
-                files[rel] = ""
+            self._write_dense(name, shard, array, files)
         for rel, checksum in files.items():
             if not checksum:
                 files[rel] = file_checksum((self.path / rel).read_bytes())
@@ -488,38 +485,43 @@ class StoreWriter:
         self.committed.add(shard)
 
     @property
-    def _dense_chunking(self) -> tuple[int, int]:
-        """Samples per chunk and per shard file of a dense field."""
-        return self.cfg.samples_per_chunk, self.cfg.samples_per_shard
+    def _raw(self) -> bool:
+        """Whether dense shard files are laid out by hand (:mod:`features.store.raw`, for
+        uncompressed stores) rather than written through Zarr's API (compressed ones)."""
+        return self.cfg.compression == "none"
+
+    def _write_dense(self, name: str, shard: int, array: np.ndarray, files: dict) -> None:
+        """Shard ``shard`` of dense array ``name`` (all its rows); its checksum into
+        ``files`` (empty: read back once the shard's files are written)."""
+        rel = chunk_key(name, shard, array.ndim)
+        if self._raw:
+            per_shard = self.cfg.samples_per_shard
+            files[rel] = write_raw_shard(
+                self.path / rel, [array], self.cfg.samples_per_chunk, per_shard
+            )
+        else:
+            start = shard * self.cfg.samples_per_shard
+            self._arrays[name][start : start + len(array)] = array
+            files[rel] = ""
 
     def _write_marker(self, shard: int, text: str) -> None:
-        """Commit shard ``shard``: its marker, the chunk Zarr writes for ``commits[shard] =
-        text`` (vlen-utf8, then zstd level 0: the same bytes, tested), by atomic rename."""
-        data = numcodecs.Zstd(level=0).encode(
-            numcodecs.VLenUTF8().encode(np.array([text], dtype=object))
-        )
-        path = self.path / chunk_key(COMMITS, shard, 1)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        tmp.write_bytes(bytes(data))
-        os.replace(tmp, path)
+        """Commit shard ``shard``: its marker (:func:`features.store.raw.write_marker`)."""
+        write_marker(self.path / chunk_key(COMMITS, shard, 1), text)
 
     def _write_ragged(self, name, spec, start, stop, samples, files) -> list[int]:
+        """Rows of samples ``start:stop`` after the rows so far, and their offsets. A row
+        shard file that already holds rows is rewritten: its rows so far, then the new
+        ones (laid out by hand in uncompressed stores, else through Zarr's API)."""
         if len(samples) != stop - start:
             raise StoreError(
                 f"store {self.path}: ragged field {name!r} got {len(samples)} samples for "
                 f"shard range {start}:{stop}"
             )
-        raw = self.cfg.compression == "none"
-        values = self.group[name]
+        values = self._arrays[name]
         first = values.shape[0]
         lengths = [len(s) for s in samples]
         offsets = first + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        rel = chunk_key(f"{name}_offsets", start // self.cfg.samples_per_shard, 1)
-        if raw:
-            files[rel] = write_raw_shard(self.path / rel, offsets, *self._dense_chunking)
-        else:
-            self.group[f"{name}_offsets"][start:stop] = offsets
-            files[rel] = ""
+        self._write_dense(f"{name}_offsets", start // self.cfg.samples_per_shard, offsets, files)
         last = first + sum(lengths)
         if last > first:
             flat = np.concatenate([np.asarray(s, dtype=spec.dtype) for s in samples])
@@ -532,20 +534,20 @@ class StoreWriter:
             shard_rows, chunk_rows = values.shards[0], values.chunks[0]
             for index in range(first // shard_rows, (last - 1) // shard_rows + 1):
                 rel = chunk_key(name, index, values.ndim)
-                if not raw:
-                    files[rel] = ""
+                files[rel] = ""
+                if not self._raw:
                     continue
                 lo, hi = index * shard_rows, min(last, (index + 1) * shard_rows)
-                rows = flat[max(lo - first, 0) : hi - first]
+                pieces = [flat[max(lo - first, 0) : hi - first]]
                 if lo < first:  # the file's rows so far come first: read them back
                     kept = np.fromfile(
                         self.path / rel,
                         np.dtype(spec.dtype).newbyteorder("<"),
                         count=(first - lo) * int(np.prod(spec.shape, dtype=np.int64)),
                     )
-                    rows = np.concatenate([kept.reshape(first - lo, *spec.shape), rows])
-                files[rel] = write_raw_shard(self.path / rel, rows, chunk_rows, shard_rows)
-            if not raw:
+                    pieces.insert(0, kept.reshape(first - lo, *spec.shape))
+                files[rel] = write_raw_shard(self.path / rel, pieces, chunk_rows, shard_rows)
+            if not self._raw:
                 values[first:last] = flat
         return [int(first), int(last)]
 
@@ -556,7 +558,12 @@ class StoreWriter:
             return
         array = np.asarray(array)
         extra = self.group.create_array(
-            name, shape=array.shape, dtype=array.dtype, chunks=array.shape or (1,), overwrite=True
+            name,
+            shape=array.shape,
+            dtype=array.dtype,
+            chunks=array.shape or (1,),
+            overwrite=True,
+            **EXTRAS,
         )
         extra[...] = array
         rel = "/".join([name, "c"] + ["0"] * array.ndim) if array.ndim else f"{name}/c"
@@ -584,7 +591,7 @@ class StoreWriter:
         for name, digest in attrs.get("extras", {}).items():
             files[attrs["extras_files"][name]] = digest
         manifest = self.group.create_array(
-            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, compressors=None, overwrite=True
+            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
         )
         for rel, path in store_files(self.path):
             if rel not in files and rel != CHECKSUMS_CHUNK:
