@@ -122,11 +122,12 @@ def model_state(state: dict, layout: str) -> dict[str, torch.Tensor]:
 def butd_from_state(
     state: dict, source: str, proposals: int = 300, param: str = "regions.weights"
 ) -> ButdModel:
-    """A :class:`ButdModel` holding ``state`` (either layout), in eval mode; every key
-    must fit, or one line says what differs."""
+    """A :class:`ButdModel` holding ``state`` (either layout), in eval mode with its frozen
+    norms folded into the convolutions; every key must fit, or one line says what
+    differs."""
     layout = layout_of(state, source, param)
     spec = spec_of(state, layout)
     model = ButdModel(spec, proposals=proposals)
     what = f"the bottom-up-attention model ({layout} layout)"
     load_exact(model, model_state(state, layout), param, what, source)
-    return model.eval()
+    return model.fold_norms().eval()

@@ -48,6 +48,8 @@ class ButdRegionExtractor(RegionExtractor):
 
     def fields(self) -> dict[str, FieldSpec]:
         r = self.width
+        if not self.attributes:  # a checkpoint without the attribute head
+            return super().fields()
         return {
             **super().fields(),
             "attributes": FieldSpec((r,), "int32"),
@@ -66,34 +68,52 @@ class ButdRegionExtractor(RegionExtractor):
             item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)
         return item
 
-    @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+        outputs = []
+        for it, r in zip(items, self.regions(items), strict=True):
+            out = self._pack(r["features"], r["boxes"], r["classes"], r["scores"], it["hw"])
+            if "attributes" in r:
+                n = len(r["attributes"])
+                out["attributes"][:n] = r["attributes"].numpy()
+                out["attribute_scores"][:n] = r["attribute_scores"].numpy()
+            outputs.append(out)
+        return outputs
+
+    @torch.no_grad()
+    def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """The kept regions of each prepared image, in float32: ``features`` (R, D),
+        ``boxes`` (R, 4) in original-image pixels, ``classes``/``scores`` (R,) object id
+        and confidence, ``attributes``/``attribute_scores`` (R,) where the model has an
+        attribute head; the records of :meth:`__call__` are these, packed."""
         batch = batch_images([it["image"] for it in items], divisible=1)  # as detectron2 C4
-        images, sizes = batch.tensors, batch.image_sizes
         given = None
         if self.given:
             given = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
-        rois, feats, probs, attrs = self.model(images.to(self.device), sizes, given)
+        rois, feats, probs, attrs = self.model(
+            batch.tensors.to(self.device), batch.image_sizes, given
+        )
         feats, probs = feats.float().cpu(), probs.cpu()
         attrs = None if attrs is None else attrs.cpu()
         outputs, start = [], 0
         for it, boxes in zip(items, rois, strict=True):
-            n = len(boxes)
-            part = slice(start, start + n)
-            start += n
+            part = slice(start, start + len(boxes))
+            start += len(boxes)
             boxes = boxes.float().cpu() / it["scale"]  # original-image pixels
             if self.given:
-                keep = torch.arange(n)
+                keep = torch.arange(len(boxes))
                 classes, confidence = probs[part, 1:].max(dim=1)
             else:
                 keep, classes, confidence = butd_select(boxes, probs[part], self.cfg)
                 classes = classes - 1  # background was column 0
-            out = self._pack(feats[part][keep], boxes[keep], classes, confidence, it["hw"])
+            r = {
+                "features": feats[part][keep],
+                "boxes": boxes[keep],
+                "classes": classes,
+                "scores": confidence,
+            }
             if attrs is not None:
-                attr_conf, attr_id = attrs[part][keep].max(dim=1)
-                out["attributes"][: len(keep)] = attr_id.numpy()
-                out["attribute_scores"][: len(keep)] = attr_conf.numpy()
-            outputs.append(out)
+                r["attribute_scores"], r["attributes"] = attrs[part][keep].max(dim=1)
+            outputs.append(r)
         return outputs
 
     def provenance_params(self) -> dict:
