@@ -127,4 +127,3 @@ class ButdRegionExtractor(RegionExtractor):
             "object_vocabulary": objects,
             "attribute_vocabulary": attributes if spec.num_attrs else None,
         }
-
