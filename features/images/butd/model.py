@@ -222,7 +222,9 @@ class RoiHeads(nn.Module):
 class ButdModel(nn.Module):
     """The whole network; ``forward`` gives per-image proposals and, over all of them,
     region features, class probabilities (background in column 0) and attribute
-    probabilities (no-attribute excluded)."""
+    probabilities without the no-attribute column: renormalised over the 400 for the
+    detectron2 layout (as py-bottom-up-attention's demo), not renormalised for MILVLG's
+    (as its ``extract_features.py`` and Caffe's ``generate_tsv.py``)."""
 
     def __init__(self, spec: ButdSpec, proposals: int = 300, pre_nms: int = 6000):
         super().__init__()
@@ -284,8 +286,8 @@ class ButdModel(nn.Module):
         attrs = None
         if self.spec.layout == "detectron2":
             probs = torch.cat([probs[:, -1:], probs[:, :-1]], dim=1)  # background first
-            if attr_logits is not None:  # softmax over the attributes proper
+            if attr_logits is not None:  # py-bottom-up-attention: over the 400 proper
                 attrs = attr_logits[:, :-1].float().softmax(dim=1)
-        elif attr_logits is not None:
-            attrs = attr_logits[:, 1:].float().softmax(dim=1)
+        elif attr_logits is not None:  # MILVLG (and generate_tsv.py): all 401, then drop
+            attrs = attr_logits.float().softmax(dim=1)[:, 1:]
         return rois, feats, probs, attrs
