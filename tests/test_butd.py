@@ -59,17 +59,18 @@ def test_both_layouts_load_by_their_keys_and_give_the_same_regions(tmp_path):
     )
     assert d2.model.spec.layout == "detectron2" and mv.model.spec.layout == "milvlg"
     a, b = records(d2, photo()), records(mv, photo())
-    assert set(a) == set(b) >= {"features", "boxes", "classes", "scores", "attributes"}
+    assert set(a) == set(b) >= {"features", "boxes", "objects_id", "objects_conf", "attrs_id"}
     assert a["n_regions"] >= 10  # min_boxes
-    for key in set(a) - {"attribute_scores"}:
+    for key in set(a) - {"attrs_conf"}:
         np.testing.assert_allclose(a[key].astype(float), b[key].astype(float), rtol=1e-5, atol=1e-6)
     # MILVLG's attribute confidence is not renormalised without "no attribute": lower
-    assert (b["attribute_scores"] <= a["attribute_scores"] + 1e-6).all()
-    assert (b["attribute_scores"] < a["attribute_scores"]).any()
+    assert (b["attrs_conf"] <= a["attrs_conf"] + 1e-6).all()
+    assert (b["attrs_conf"] < a["attrs_conf"]).any()
     n = int(a["n_regions"])
-    assert (a["classes"][:n] >= 0).all() and (a["classes"][:n] < 30).all()  # 0-based ids
-    assert (a["attributes"][:n] >= 0).all() and (a["attributes"][:n] < 10).all()
-    assert ((a["scores"][:n] > 0) & (a["scores"][:n] <= 1)).all()
+    assert (a["objects_id"][:n] >= 0).all() and (a["objects_id"][:n] < 30).all()  # 0-based ids
+    assert (a["attrs_id"][:n] >= 0).all() and (a["attrs_id"][:n] < 10).all()
+    assert ((a["objects_conf"][:n] > 0) & (a["objects_conf"][:n] <= 1)).all()
+    assert (a["objects_id"][n:] == -1).all() and (a["attrs_id"][n:] == -1).all()
 
 
 def test_py_bottom_up_attention_pkl_needs_opt_in_and_builds_only_arrays(tmp_path):
@@ -87,7 +88,7 @@ def test_py_bottom_up_attention_pkl_needs_opt_in_and_builds_only_arrays(tmp_path
     from_pth = build_image_extractor(
         "regions", RegionsConfig(weights=save(state, tmp_path / "x.pth"), **SMALL)
     )
-    assert "attributes" not in from_pkl.fields()  # no attribute head in this checkpoint
+    assert "attrs_id" not in from_pkl.fields()  # no attribute head in this checkpoint
     a, b = records(from_pkl, photo(1)), records(from_pth, photo(1))
     np.testing.assert_array_equal(a["features"], b["features"])
 
@@ -199,8 +200,8 @@ def assert_same_regions(native: dict, reference: dict, label: str) -> None:
     assert float(iou.min()) >= 0.99, label
     a, b = np.asarray(native["features"], float), np.asarray(reference["features"], float)
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max(), label
-    np.testing.assert_array_equal(native["classes"], reference["classes"], label)
-    np.testing.assert_array_equal(native["attributes"], reference["attributes"], label)
+    np.testing.assert_array_equal(native["objects_id"], reference["objects_id"], label)
+    np.testing.assert_array_equal(native["attrs_id"], reference["attrs_id"], label)
 
 
 def test_native_matches_golden_detectron2_fixture(tmp_path):

@@ -13,9 +13,10 @@ from PIL import Image
 from features.detector.inputs import batch_images
 from features.images.butd.model import ButdModel
 from features.images.config import RegionsConfig
+from features.images.extractor import zeros
 from features.images.regions import RegionExtractor
 from features.images.select import butd_select
-from features.store.spec import FieldSpec
+from features.store.spec import FieldSpec, regions_fields
 
 VISUAL_GENOME = {1601: "visual-genome-1600", 401: "visual-genome-400"}
 
@@ -39,22 +40,19 @@ def to_caffe(image: Image.Image, mean: torch.Tensor) -> torch.Tensor:
 
 class ButdRegionExtractor(RegionExtractor):
     """:class:`RegionExtractor` on :class:`ButdModel`: the same selection
-    (:func:`butd_select`), plus attributes; ``classes`` are object ids in the checkpoint's
-    vocabulary (0-based, background excluded: 0..1599 for Visual Genome)."""
+    (:func:`butd_select`); object ids are 0-based in the checkpoint's vocabulary
+    (background excluded: 0..1599 for Visual Genome), as in obj36 files."""
 
     def __init__(self, model: ButdModel, cfg: RegionsConfig, device: torch.device):
         super().__init__(model, cfg, device)
         self.attributes = model.spec.num_attrs > 0
 
     def fields(self) -> dict[str, FieldSpec]:
-        r = self.width
-        if not self.attributes:  # a checkpoint without the attribute head
-            return super().fields()
-        return {
-            **super().fields(),
-            "attributes": FieldSpec((r,), "int32"),
-            "attribute_scores": FieldSpec((r,), "float32"),
-        }
+        """obj36's fields (as :mod:`features.exchange.butd_tsv` imports them, so the store
+        exports to obj36): ``objects_id``/``objects_conf`` and, with the attribute head,
+        ``attrs_id``/``attrs_conf`` (-1 past ``n_regions``)."""
+        labels = ("objects", "attrs") if self.attributes else ("objects",)
+        return regions_fields(self.width, self.dim, labels=labels)
 
     def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
         resized, (sx, sy) = resize_caffe(image, self.cfg.min_side, self.cfg.max_side)
@@ -71,19 +69,25 @@ class ButdRegionExtractor(RegionExtractor):
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
         outputs = []
         for it, r in zip(items, self.regions(items), strict=True):
-            out = self._pack(r["features"], r["boxes"], r["classes"], r["scores"], it["hw"])
-            if "attributes" in r:
-                n = len(r["attributes"])
-                out["attributes"][:n] = r["attributes"].numpy()
-                out["attribute_scores"][:n] = r["attribute_scores"].numpy()
+            out = zeros(self.fields())
+            n = len(r["boxes"])
+            for name in ("features", "boxes"):
+                out[name][:n] = r[name].numpy()
+            for label in ("objects", "attrs"):
+                if f"{label}_id" in out:
+                    out[f"{label}_id"][:] = -1
+                    out[f"{label}_id"][:n] = r[f"{label}_id"].numpy()
+                    out[f"{label}_conf"][:n] = r[f"{label}_conf"].numpy()
+            out["n_regions"] = np.int32(n)
+            out["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
             outputs.append(out)
         return outputs
 
     @torch.no_grad()
     def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
         """The kept regions of each prepared image, in float32: ``features`` (R, D),
-        ``boxes`` (R, 4) in original-image pixels, ``classes``/``scores`` (R,) object id
-        and confidence, ``attributes``/``attribute_scores`` (R,) where the model has an
+        ``boxes`` (R, 4) in original-image pixels, ``objects_id``/``objects_conf`` (R,)
+        object id and confidence, ``attrs_id``/``attrs_conf`` (R,) where the model has an
         attribute head; the records of :meth:`__call__` are these, packed."""
         batch = batch_images([it["image"] for it in items], divisible=1)  # as detectron2 C4
         given = None
@@ -108,11 +112,11 @@ class ButdRegionExtractor(RegionExtractor):
             r = {
                 "features": feats[part][keep],
                 "boxes": boxes[keep],
-                "classes": classes,
-                "scores": confidence,
+                "objects_id": classes,
+                "objects_conf": confidence,
             }
             if attrs is not None:
-                r["attribute_scores"], r["attributes"] = attrs[part][keep].max(dim=1)
+                r["attrs_conf"], r["attrs_id"] = attrs[part][keep].max(dim=1)
             outputs.append(r)
         return outputs
 
