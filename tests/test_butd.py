@@ -234,3 +234,58 @@ def test_native_equals_detectron2_on_five_photos(tmp_path):
         a = native.regions([native.prepare(image, {})])[0]
         b = d2.regions([d2.prepare(image, {})])[0]
         assert_same_regions(a, b, p.name)
+
+
+def test_extracted_store_exports_as_obj36_rows(tmp_path):
+    """The stage end to end: BUTD regions into a store (obj36 labels, -1 padding), then
+    ``export-tsv``'s obj36 rows, decoded here as LXMERT's loader does (base64 buffers)."""
+    import base64
+    import csv
+
+    from features.demo import DemoConfig, build_dataset
+    from features.exchange.butd_tsv import export_obj36
+    from features.images.extract import extract_images
+    from features.ingest.manifest import read_manifest, write_manifest
+    from features.ingest.readers import READERS, PrepareConfig
+    from features.ingest.validate import validate
+    from features.store.reader import Store
+    from features.store.spec import StoreConfig
+
+    root = tmp_path / "demo"
+    build_dataset(DemoConfig(n_train=2, n_val=1, n_test=1, image_size=96), root)
+    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
+    records, _ = validate(dataset, root / "images", 5)
+    write_manifest(records, dataset, 5, root / "manifest.parquet")
+    manifest = read_manifest(root / "manifest.parquet")
+    cfg = RegionsConfig(
+        weights=save(butd_state(), tmp_path / "w.pth"),
+        min_side=96,
+        max_side=96,
+        proposals=20,
+        min_boxes=3,
+        max_boxes=8,
+        num_workers=0,
+        device="cpu",
+    )
+    extractor = build_image_extractor("regions", cfg)
+    layout = StoreConfig(samples_per_shard=2, samples_per_chunk=2)
+    extract_images(extractor, manifest, root / "images", tmp_path / "r.zarr", cfg, layout)
+    store = Store.open(tmp_path / "r.zarr")
+    data = store.read(0, len(manifest))
+    assert {"objects_id", "objects_conf", "attrs_id", "attrs_conf"} <= set(data)
+    written, _ = export_obj36(store, manifest, tmp_path / "obj36.tsv", log=lambda _: None)
+    assert written == len(manifest)
+    csv.field_size_limit(1 << 30)
+    with open(tmp_path / "obj36.tsv") as f:
+        rows = list(csv.reader(f, delimiter="\t"))
+    keys = manifest.table["key"].to_pylist()
+    for row in rows:
+        i = keys.index(row[0])
+        n = int(row[7])
+        assert n == data["n_regions"][i] and (data["objects_id"][i, n:] == -1).all()
+        ids = np.frombuffer(base64.b64decode(row[3]), np.int64)
+        attrs = np.frombuffer(base64.b64decode(row[5]), np.int64)
+        feats = np.frombuffer(base64.b64decode(row[9]), np.float32).reshape(n, 256)
+        np.testing.assert_array_equal(ids, data["objects_id"][i, :n])
+        np.testing.assert_array_equal(attrs, data["attrs_id"][i, :n])
+        np.testing.assert_array_equal(feats, data["features"][i, :n].astype(np.float32))
