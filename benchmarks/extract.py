@@ -9,11 +9,21 @@ runs the torchvision path (RPN, box head, BUTD selection) of a `vse-detector` ch
 `--detector data/models/detector/detector.pt`, or a random-init one of the demo's
 architecture (params.yaml `detector`).
 
+BUTD (issue 23): the native bottom-up-attention model (features/images/butd) against
+upstream detectron2 with the backend's registrations (features/images/detectron2_backend),
+forward + selection per image at 600/1000 px on the test photos, the same checkpoint
+(random values in py-bottom-up-attention's layout at the published shapes: ResNet-101,
+1601 classes, 401 attributes; `--butd-width 8` for a quick reduced run), the same images
+and threads, one image at a time; the best of `--repeats` per image, averaged over the
+images. Target >= 1.0x (detectron2's time / the native time). Needs detectron2 on the
+path for the comparison (otherwise the native time alone).
+
 Selection (issue 13): `butd_select` against generate_tsv.py's loop (one torchvision `nms`
 per class) on 300 proposals x 1601 classes, with peaked (detector-like) and flat softmax
 scores; the same inputs, in the same run; target >= 10x.
 
     python benchmarks/extract.py [--n 192] [--size 128] [--workers 1] [--detector CKPT]
+    python benchmarks/extract.py --only butd [--threads 2] [--butd-images 3] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -117,12 +127,83 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="demo image size (px)")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
     parser.add_argument("--detector", help="vse-detector checkpoint (default: random init)")
-    parser.add_argument("--only", choices=["stages", "selection"], help="run one part")
+    parser.add_argument("--only", choices=["stages", "selection", "butd"], help="one part")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--butd-images", type=int, default=3, help="test photos")
+    parser.add_argument("--butd-width", type=int, default=64, help="64: the real model")
+    parser.add_argument("--repeats", type=int, default=2, help="per image (best of)")
     args = parser.parse_args()
-    if args.only != "selection":
+    if args.only in (None, "stages"):
         stage_rows(args)
-    if args.only != "stages":
+    if args.only in (None, "selection"):
         selection_rows()
+    if args.only in (None, "butd"):
+        butd_rows(args)
+
+
+def butd_rows(args: argparse.Namespace) -> None:
+    """Native BUTD vs detectron2: seconds per image, forward + selection."""
+    from PIL import Image
+
+    from features.images.extract import build_image_extractor
+    from tests.butd_data import butd_state
+
+    torch.set_num_threads(args.threads)
+    here = Path(__file__).resolve().parent.parent
+    photos = sorted((here / "tests" / "fixtures" / "photos").glob("*.jpg"))[: args.butd_images]
+    w = args.butd_width
+    root = Path(tempfile.mkdtemp(prefix="vse-butd-bench-"))
+    state = butd_state(blocks=(3, 4, 23, 3), width=w, hidden=8 * w, classes=1601, attrs=401)
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, root / "butd.pth")
+    del state
+    base = {"weights": str(root / "butd.pth"), "device": "cpu"}
+    routes = {"native": RegionsConfig(**base)}
+    try:
+        import detectron2  # noqa: F401
+
+        config = root / "butd.yaml"
+        config.write_text(_butd_yaml(w))
+        routes["detectron2"] = RegionsConfig(
+            **base, backend="detectron2", detectron2_config=str(config)
+        )
+    except ImportError:
+        print("detectron2 is not installed: native time only")
+    images = [Image.open(p).convert("RGB") for p in photos]
+    extractors = {name: build_image_extractor("regions", cfg) for name, cfg in routes.items()}
+    items = {name: [e.prepare(i, {}) for i in images] for name, e in extractors.items()}
+    for name, e in extractors.items():
+        e.regions(items[name][:1])  # warm-up
+    best = {name: [float("inf")] * len(images) for name in routes}
+    for i in range(len(images)):  # the routes alternate, so both meet the same load
+        for _ in range(args.repeats):
+            for name, e in extractors.items():
+                tick = time.perf_counter()
+                e.regions([items[name][i]])
+                best[name][i] = min(best[name][i], time.perf_counter() - tick)
+    seconds = {name: sum(b) / len(b) for name, b in best.items()}
+    shutil.rmtree(root)
+    print(f"BUTD R101 width {w}, {len(images)} photos at 600/1000 px, {args.threads} threads")
+    for name, s in seconds.items():
+        print(f"  {name:<12}{s:>8.2f} s/image")
+    if "detectron2" in seconds:
+        ratio = seconds["detectron2"] / seconds["native"]
+        print(f"  native speed vs detectron2: {ratio:.2f}x (target >= 1.0x)")
+
+
+def _butd_yaml(width: int) -> str:
+    """py-bottom-up-attention's VG-Detection keys at ResNet-101 depth and ``width``."""
+    return f"""MODEL:
+  META_ARCHITECTURE: GeneralizedRCNN
+  CAFFE_MAXPOOL: True
+  PIXEL_MEAN: [102.9801, 115.9465, 122.7717]
+  RESNETS: {{DEPTH: 101, STEM_OUT_CHANNELS: {width}, RES2_OUT_CHANNELS: {4 * width},
+    WIDTH_PER_GROUP: {width}}}
+  PROPOSAL_GENERATOR: {{HID_CHANNELS: {8 * width}}}
+  ANCHOR_GENERATOR: {{SIZES: [[64, 128, 256, 512]]}}
+  RPN: {{PRE_NMS_TOPK_TEST: 6000, POST_NMS_TOPK_TEST: 300}}
+  ROI_HEADS: {{NAME: Res5ROIHeads, NUM_CLASSES: 1600}}
+  ROI_BOX_HEAD: {{RES5HALVE: False, POOLER_TYPE: ROIPool, ATTR: True, NUM_ATTRS: 400}}
+"""
 
 
 def stage_rows(args: argparse.Namespace) -> None:

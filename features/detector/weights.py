@@ -12,6 +12,8 @@ from the entry's url>``); nothing is ever downloaded. Files are read with
 - ``detection``: a torchvision Faster R-CNN state dict (``backbone.body.*``, ``rpn.*``,
   ``roi_heads.*``), e.g. ``fasterrcnn_resnet50_fpn(_v2)``, or the project's C4 layout;
 - ``vse-detector``: the project's detector checkpoint (:mod:`features.detector`);
+- ``butd``: a bottom-up-attention Faster R-CNN in detectron2 names (``backbone.res4...``,
+  ``proposal_generator.*``, ``roi_heads.*``): :mod:`features.images.butd`;
 - a dict holding a state dict under ``model`` or ``state_dict`` (training checkpoints).
 
 A file that does not fit is reported in one line: the param, the architecture and a
@@ -78,12 +80,19 @@ def weights_digest(spec: str | None, seed: int, param: str = "weights") -> str:
     return sha256_file(resolve_weights(spec, param))
 
 
-def read_checkpoint(spec: str, param: str) -> dict:
+def read_checkpoint(spec: str, param: str, allow_pickle: bool = False) -> dict:
     """The file's content (``weights_only=True``): a ``vse-detector`` checkpoint as it is,
-    otherwise the state dict (unwrapped from ``model`` / ``state_dict``)."""
+    otherwise the state dict (unwrapped from ``model`` / ``state_dict``). A ``.pkl`` file
+    (detectron2's format: numpy arrays in a pickle) is read only with ``allow_pickle``,
+    and then by an unpickler that builds nothing but numpy arrays, dicts and lists."""
     file = resolve_weights(spec, param)
     try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
+        if file.suffix == ".pkl":
+            obj = _read_pickle(file, spec, param, allow_pickle)
+        else:
+            obj = torch.load(file, map_location="cpu", weights_only=True)
+    except WeightsError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise WeightsError(
@@ -99,6 +108,55 @@ def read_checkpoint(spec: str, param: str) -> dict:
     return obj
 
 
+# what a detectron2 .pkl checkpoint's pickle may build: numpy arrays and their parts
+PICKLE_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),
+}
+
+
+def _read_pickle(file: Path, spec: str, param: str, allow_pickle: bool) -> dict:
+    """A detectron2 ``.pkl`` (``{"model": {name: ndarray}, ...}``) as tensors."""
+    import pickle
+
+    import numpy as np
+
+    if not allow_pickle:
+        raise WeightsError(
+            f"{param}: {spec}: a .pkl checkpoint is a pickle, which can run code when "
+            "loaded; set regions.allow_pickle_weights: true if you trust its source, or "
+            "convert it to .pth"
+        )
+
+    class Arrays(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if (module, name) not in PICKLE_GLOBALS:
+                raise WeightsError(
+                    f"{param}: {spec}: the pickle wants {module}.{name}, which a checkpoint "
+                    "of numpy arrays never needs; not loaded"
+                )
+            module = module.replace("numpy.core.", "numpy._core.")  # numpy 1.x pickles
+            return super().find_class(module, name)
+
+    with open(file, "rb") as f:
+        obj = Arrays(f, encoding="latin1").load()
+    for key in ("model", "state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict):
+        return obj
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+        for k, v in obj.items()
+    }
+
+
 def checkpoint_format(obj: dict) -> str:
     """``vse-detector``, ``detection``, ``classification`` or ``unknown``."""
     if obj.get("format") == "vse-detector":
@@ -106,6 +164,8 @@ def checkpoint_format(obj: dict) -> str:
     keys = list(obj)
     if any(k.startswith("backbone.body.") for k in keys):
         return "detection"
+    if any(k.startswith(("proposal_generator.", "roi_heads.box_predictor.")) for k in keys):
+        return "butd"  # detectron2 names: py-bottom-up-attention's or MILVLG's
     if any(k.startswith("layer1.") for k in keys) and "conv1.weight" in obj:
         return "classification"
     return "unknown"
@@ -147,6 +207,8 @@ def describe(obj: dict) -> str:
         return f"a vse-detector checkpoint ({obj['config']['architecture']})"
     if fmt == "classification":
         return f"a {guess_resnet(obj) or 'ResNet'} classification state dict"
+    if fmt == "butd":
+        return "a bottom-up-attention (detectron2-named) state dict"
     if fmt == "detection":
         trunk = guess_resnet(obj, "backbone.body.") or "ResNet"
         if any(k.startswith("backbone.fpn.") for k in obj):

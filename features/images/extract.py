@@ -98,7 +98,14 @@ def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
         from features.images.detectron2_backend import build_detectron2_extractor
 
         return build_detectron2_extractor(cfg, device)
-    return RegionExtractor(build_detector(cfg), cfg, device)
+    from features.images.butd.model import ButdModel
+
+    model = build_detector(cfg)
+    if isinstance(model, ButdModel):
+        from features.images.butd.extractor import ButdRegionExtractor
+
+        return ButdRegionExtractor(model, cfg, device)
+    return RegionExtractor(model, cfg, device)
 
 
 @dataclass

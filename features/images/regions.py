@@ -60,15 +60,23 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     """The torchvision detector of the ``regions`` params, weights loaded (or random).
 
     ``regions.weights`` may be a ``vse-detector`` checkpoint (architecture and class count
-    come from it), a torchvision detection state dict (class count from it), or an
+    come from it), a torchvision detection state dict (class count from it), a published
+    bottom-up-attention checkpoint (:mod:`features.images.butd`: the native model), or an
     ImageNet ResNet state dict, which initialises the trunk (and the C4 res5 head), as the
     bottom-up-attention model was initialised; the RPN and predictor stay random then.
     """
     param = "regions.weights"
     torch.manual_seed(cfg.seed)
-    obj = read_checkpoint(cfg.weights, param) if cfg.weights else None
+    obj = read_checkpoint(cfg.weights, param, cfg.allow_pickle_weights) if cfg.weights else None
     fmt = checkpoint_format(obj) if obj is not None else None
     overrides = {"rpn_post_nms_test": cfg.proposals}
+    if fmt == "butd":  # the published bottom-up-attention weights: the native model
+        from features.images.butd.checkpoint import butd_from_state
+
+        model = butd_from_state(obj, f"{cfg.weights} ({describe(obj)})", cfg.proposals)
+        spec = model.spec
+        model.architecture = f"butd-r{3 * sum(spec.blocks) + 2}-{spec.layout}"
+        return model
     if fmt == "vse-detector":
         source = f"{cfg.weights} (a vse-detector checkpoint)"
         check_conflict(

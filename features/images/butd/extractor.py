@@ -1,0 +1,133 @@
+"""Region records of the native bottom-up-attention model: per region its 2048-d feature,
+box, object id and confidence, attribute id and confidence (the fields of the BUTD
+feature files: ``generate_tsv.py``'s and LXMERT's ``obj36``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from features.detector.inputs import batch_images
+from features.images.butd.model import ButdModel
+from features.images.config import RegionsConfig
+from features.images.extractor import zeros
+from features.images.regions import RegionExtractor
+from features.images.select import butd_select
+from features.store.spec import FieldSpec, regions_fields
+
+VISUAL_GENOME = {1601: "visual-genome-1600", 401: "visual-genome-400"}
+
+
+def resize_caffe(image: Image.Image, min_side: int, max_side: int):
+    """Shorter side to ``min_side`` unless the longer would pass ``max_side`` (sizes rounded
+    half up, as detectron2's ResizeShortestEdge, which py-bottom-up-attention uses)."""
+    w, h = image.size
+    scale = min_side / min(w, h)
+    if max(w, h) * scale > max_side:
+        scale = max_side / max(w, h)
+    size = (int(w * scale + 0.5), int(h * scale + 0.5))
+    return image.resize(size, Image.BILINEAR), (size[0] / w, size[1] / h)
+
+
+def to_caffe(image: Image.Image, mean: torch.Tensor) -> torch.Tensor:
+    """RGB PIL image -> (3, H, W) BGR 0..255 minus the Caffe pixel means."""
+    bgr = np.ascontiguousarray(np.asarray(image, dtype=np.float32)[:, :, ::-1])
+    return torch.from_numpy(bgr).permute(2, 0, 1) - mean
+
+
+class ButdRegionExtractor(RegionExtractor):
+    """:class:`RegionExtractor` on :class:`ButdModel`: the same selection
+    (:func:`butd_select`); object ids are 0-based in the checkpoint's vocabulary
+    (background excluded: 0..1599 for Visual Genome), as in obj36 files."""
+
+    def __init__(self, model: ButdModel, cfg: RegionsConfig, device: torch.device):
+        super().__init__(model, cfg, device)
+        self.attributes = model.spec.num_attrs > 0
+
+    def fields(self) -> dict[str, FieldSpec]:
+        """obj36's fields (as :mod:`features.exchange.butd_tsv` imports them, so the store
+        exports to obj36): ``objects_id``/``objects_conf`` and, with the attribute head,
+        ``attrs_id``/``attrs_conf`` (-1 past ``n_regions``)."""
+        labels = ("objects", "attrs") if self.attributes else ("objects",)
+        return regions_fields(self.width, self.dim, labels=labels)
+
+    def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
+        resized, (sx, sy) = resize_caffe(image, self.cfg.min_side, self.cfg.max_side)
+        item = {
+            "image": to_caffe(resized, self.model.pixel_mean.cpu()),
+            "scale": torch.tensor([sx, sy, sx, sy]),
+            "hw": image.size[::-1],
+        }
+        if self.given:
+            boxes = np.asarray(row.get("boxes") or np.zeros((0, 4)), dtype=np.float32)
+            item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)
+        return item
+
+    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+        outputs = []
+        for it, r in zip(items, self.regions(items), strict=True):
+            out = zeros(self.fields())
+            n = len(r["boxes"])
+            for name in ("features", "boxes"):
+                out[name][:n] = r[name].numpy()
+            for label in ("objects", "attrs"):
+                if f"{label}_id" in out:
+                    out[f"{label}_id"][:] = -1
+                    out[f"{label}_id"][:n] = r[f"{label}_id"].numpy()
+                    out[f"{label}_conf"][:n] = r[f"{label}_conf"].numpy()
+            out["n_regions"] = np.int32(n)
+            out["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
+            outputs.append(out)
+        return outputs
+
+    @torch.no_grad()
+    def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """The kept regions of each prepared image, in float32: ``features`` (R, D),
+        ``boxes`` (R, 4) in original-image pixels, ``objects_id``/``objects_conf`` (R,)
+        object id and confidence, ``attrs_id``/``attrs_conf`` (R,) where the model has an
+        attribute head; the records of :meth:`__call__` are these, packed."""
+        batch = batch_images([it["image"] for it in items], divisible=1)  # as detectron2 C4
+        given = None
+        if self.given:
+            given = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
+        rois, feats, probs, attrs = self.model(
+            batch.tensors.to(self.device), batch.image_sizes, given
+        )
+        feats, probs = feats.float().cpu(), probs.cpu()
+        attrs = None if attrs is None else attrs.cpu()
+        outputs, start = [], 0
+        for it, boxes in zip(items, rois, strict=True):
+            part = slice(start, start + len(boxes))
+            start += len(boxes)
+            boxes = boxes.float().cpu() / it["scale"]  # original-image pixels
+            if self.given:
+                keep = torch.arange(len(boxes))
+                classes, confidence = probs[part, 1:].max(dim=1)
+            else:
+                keep, classes, confidence = butd_select(boxes, probs[part], self.cfg)
+                classes = classes - 1  # background was column 0
+            r = {
+                "features": feats[part][keep],
+                "boxes": boxes[keep],
+                "objects_id": classes,
+                "objects_conf": confidence,
+            }
+            if attrs is not None:
+                r["attrs_conf"], r["attrs_id"] = attrs[part][keep].max(dim=1)
+            outputs.append(r)
+        return outputs
+
+    def provenance_params(self) -> dict:
+        """The params, plus the vocabularies the ids index (Visual Genome's 1600 objects
+        and 400 attributes for the published checkpoints; else their sizes)."""
+        spec = self.model.spec
+        objects = VISUAL_GENOME.get(spec.num_classes, f"{spec.num_classes - 1}-objects")
+        attributes = VISUAL_GENOME.get(spec.num_attrs, f"{max(spec.num_attrs - 1, 0)}-attrs")
+        return {
+            **super().provenance_params(),
+            "object_vocabulary": objects,
+            "attribute_vocabulary": attributes if spec.num_attrs else None,
+        }
