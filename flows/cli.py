@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return getattr(err, "exit_code", 1)  # Preempted: 75, resumable
     except OSError as err:  # a file the user named is missing, unwritable, a folder ...
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}", file=sys.stderr)

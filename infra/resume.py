@@ -1,20 +1,60 @@
 """Resumable training, shared by the detector (:mod:`features.detector.train`) and the
 retrieval models (:mod:`models.train`): what ``last.pt`` holds besides the run's own
-fields, and how a ``--resume`` run restores it, so that it ends bit-identical to an
-uninterrupted run."""
+fields, how a ``--resume`` run restores it (so that it ends bit-identical to an
+uninterrupted run), and when a run writes it mid-epoch (:class:`StepCheckpoints`: every
+``checkpoint_every_steps`` steps or ``checkpoint_every_minutes`` minutes, and on SIGTERM or
+SIGINT, after which the run exits with :data:`RESUMABLE_EXIT`)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from infra.config import UserError
 
+# Exit status of a run stopped by SIGTERM/SIGINT after it wrote ``last.pt``: rerun the same
+# command with --resume (EX_TEMPFAIL of sysexits.h: "try again later").
+RESUMABLE_EXIT = 75
+
+
+class Preempted(UserError):
+    """Stopped by a signal after writing a resumable ``last.pt``."""
+
+    exit_code = RESUMABLE_EXIT
+
+
+def read_checkpoint(
+    path: str | Path, error: type[UserError] = UserError, hint: str = "", needs=()
+) -> dict:
+    """The plain data in ``path`` (``weights_only``: a pickled object is refused, never
+    run); a file torch cannot read that way (truncated, damaged, not a checkpoint, made
+    by a pickling tool), or one without the keys ``needs``, is one line ``error`` naming
+    it, followed by ``hint`` (what to do)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file: one line naming it
+        detail = " ".join(str(err).split())[:160]
+        raise error(
+            f"{path}: not a checkpoint torch can read as plain data ({type(err).__name__}: "
+            f"{detail}); {hint}"
+        ) from None
+    missing = [k for k in needs if not isinstance(ckpt, dict) or k not in ckpt]
+    if not isinstance(ckpt, dict) or missing:
+        raise error(f"{path}: not a checkpoint of this trainer (no {', '.join(missing)}); {hint}")
+    return ckpt
+
 
 def training_state(model: nn.Module, optimizer, scheduler, device: torch.device) -> dict:
-    """Weights (on the CPU), optimizer, scheduler and the torch RNG (CUDA's too)."""
+    """Weights (on the CPU), optimizer, scheduler and the torch RNG (CUDA's too): the
+    only global generator training draws from (batch orders are seeded by ``(seed,
+    epoch)``, a stream's generator is kept in its position)."""
     rng = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -35,21 +75,82 @@ def restore_training(
     device: torch.device,
     error: type[UserError] = UserError,
 ) -> dict:
-    """Load ``path`` (``weights_only``), check that it was trained with the same
+    """Load ``path`` (:func:`read_checkpoint`), check that it was trained with the same
     ``identity`` (model, config, data; one line naming what differs, else ``error``),
     restore what :func:`training_state` saved and return the checkpoint (its epoch,
     history and other fields). Loaded onto the CPU: the RNG states must stay there (torch
     refuses a state on the GPU), and the model and optimizer copy theirs to ``device``."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    hint = "delete it or train without --resume"
+    needs = ("state_dict", "optimizer", "scheduler", "rng", "epoch", "history")
+    ckpt = read_checkpoint(path, error, hint, needs)
     for key, value in identity.items():
         if ckpt.get(key) != value:
-            raise error(
-                f"{path}: was trained with another {key}; delete it or train without --resume"
-            )
-    model.load_state_dict(ckpt["state_dict"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if device.type == "cuda" and ckpt["rng"].get("cuda"):
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+            raise error(f"{path}: was trained with another {key}; {hint}")
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    except Exception as err:  # noqa: BLE001 - weights or states that do not fit
+        detail = " ".join(str(err).split())[:160]
+        raise error(f"{path}: its training state does not load ({detail}); {hint}") from None
     return ckpt
+
+
+def plain(value):
+    """``value`` with numpy arrays as tensors, so that ``weights_only`` loads it."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value
+
+
+class StepCheckpoints:
+    """When a run writes ``last.pt`` within an epoch: every ``every_steps`` steps (0: never)
+    and every ``every_minutes`` minutes (0: never), and after the step in progress when
+    SIGTERM or SIGINT arrives (:attr:`stopping`; the run then raises :class:`Preempted`).
+    A second signal exits at once (status 128 + signal). Handlers are installed only in
+    the main thread and restored by :meth:`close`."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, every_steps: int = 0, every_minutes: float = 0, log=print):
+        self.every_steps, self.every_seconds = every_steps, every_minutes * 60
+        self.log, self.stopping, self.last = log, None, time.monotonic()
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._signalled)
+
+    def _signalled(self, signum, _frame) -> None:
+        if self.stopping is not None:
+            os._exit(128 + signum)
+        self.stopping = signal.Signals(signum).name
+        self.log(f"{self.stopping}: finishing this step, then writing last.pt (again: exit now)")
+
+    def due(self, steps_done: int) -> bool:
+        """Whether to write ``last.pt`` after ``steps_done`` steps of this epoch."""
+        if self.stopping is not None:
+            return True
+        if self.every_steps and steps_done % self.every_steps == 0:
+            return True
+        return bool(self.every_seconds) and time.monotonic() - self.last >= self.every_seconds
+
+    def written(self) -> None:
+        """A checkpoint was written: the minutes count from now; raise if stopping."""
+        self.last = time.monotonic()
+        if self.stopping is not None:
+            raise Preempted(
+                f"stopped by {self.stopping} after writing last.pt; rerun with --resume "
+                f"to go on from there (exit status {RESUMABLE_EXIT})"
+            )
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -49,6 +49,10 @@ class TrainConfig(Section):
     # image inputs as (x - mean) / std with train statistics (kept in the checkpoint);
     # for features dominated by one shared mean, such as random-init CNN features
     standardize: bool = False
+    # last.pt also within an epoch (resumable at the next batch): every this many steps,
+    # every this many minutes (0: never); SIGTERM/SIGINT always write it (exit status 75)
+    checkpoint_every_steps: NonNegativeInt = 0
+    checkpoint_every_minutes: NonNegativeFloat = 0.0
 
     @model_validator(mode="after")
     def _workers_prefetch(self) -> TrainConfig:

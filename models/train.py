@@ -31,7 +31,13 @@ from torch import nn
 from infra.config import Section, UserError
 from infra.device import autocast, resolve_device
 from infra.files import save_torch
-from infra.resume import restore_training, training_state
+from infra.resume import (
+    StepCheckpoints,
+    plain,
+    read_checkpoint,
+    restore_training,
+    training_state,
+)
 from infra.schedule import lr_factor
 from models.common import TrainConfig
 from models.data.info import DataInfo
@@ -75,12 +81,8 @@ def load_checkpoint(
             "(dvc repro train@MODEL)"
         )
 
-    try:  # plain data only: a pickled object is refused by weights_only, never run
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file: one line naming it
-        raise refuse("not a checkpoint torch can read as plain data", err) from None
-    if not isinstance(ckpt, dict) or not {"model", "config", "info", "state_dict"} <= set(ckpt):
-        raise refuse("not a vse checkpoint (no model, config, info and state_dict)")
+    hint = "give best.pt or last.pt as `vse train` writes them (dvc repro train@MODEL)"
+    ckpt = read_checkpoint(path, TrainingError, hint, ("model", "config", "info", "state_dict"))
     if ckpt["model"] not in MODELS:
         raise refuse(f"a checkpoint of unknown model {ckpt['model']!r}")
     try:
@@ -195,7 +197,7 @@ def train(
         lr_factor(steps_per_epoch, cfg.warmup_steps, cfg.lr_decay, cfg.lr_decay_epochs),
     )
     history: list[dict] = []
-    best_rsum, start = -math.inf, 0
+    best_rsum, start, within = -math.inf, 0, None
     last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
 
     identity = {
@@ -208,9 +210,29 @@ def train(
             last_path, identity, model, optimizer, scheduler, device, TrainingError
         )
         history, best_rsum, start = ckpt["history"], ckpt["best_rsum"], ckpt["epoch"] + 1
-        log(f"resuming {name} from {last_path} after epoch {ckpt['epoch']}")
+        within = ckpt.get("within")
+        if within is not None:
+            within = _check_within(within, last_path, world, train_data, cfg)
+            log(f"resuming {name} from {last_path} at epoch {start} step {within['step']}")
+        else:
+            log(f"resuming {name} from {last_path} after epoch {ckpt['epoch']}")
     elif resume:
         log(f"--resume: no {last_path} yet, starting from scratch")
+
+    def save_last(epoch_done: int, state: dict, step_state: dict | None = None) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_torch(
+            {
+                **identity,
+                "version": CHECKPOINT_VERSION,
+                **state,
+                "epoch": epoch_done,
+                "history": history,
+                "best_rsum": best_rsum,
+                "within": step_state,
+            },
+            last_path,
+        )
 
     wrapped: nn.Module = _LossOf(model)
     if world > 1:
@@ -219,23 +241,26 @@ def train(
         )
     batches = Batches(train_data, device, num_workers=cfg.num_workers, prefetch=cfg.prefetch)
     val_batches = Batches(val_data, device, prefetch=cfg.prefetch)  # a thread: small, per epoch
+    checkpoints = StepCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log)
+    run = _Run(name, wrapped, model, optimizer, scheduler, batches, cfg, device, rank, world)
+    run.last_path, run.log, run.checkpoints = last_path, log, checkpoints
+
+    def save_step(epoch: int, step_state: dict) -> None:  # mid-epoch: every rank calls it
+        positions = [step_state.pop("position")]
+        if world > 1:
+            positions = [None] * world
+            torch.distributed.all_gather_object(positions, run.batches.position)
+        if rank == 0:
+            state = training_state(model, optimizer, scheduler, device)
+            save_last(epoch - 1, state, {**step_state, "positions": plain(positions)})
+            log(f"{name}: wrote {last_path} at epoch {epoch} step {step_state['step']}")
+        if world > 1:
+            torch.distributed.barrier()
+
+    run.save_step = save_step
     try:
         for epoch in range(start, cfg.epochs):
-            row, seconds, seen = _train_epoch(
-                name,
-                wrapped,
-                model,
-                optimizer,
-                scheduler,
-                batches,
-                cfg,
-                epoch,
-                device,
-                rank,
-                world,
-                last_path,
-                log,
-            )
+            row, seconds, seen = run.epoch(epoch, within if epoch == start else None)
             if rank == 0:
                 model.eval()
                 val = evaluate_split(model, val_data, cfg.eval_batch_size, device, val_batches)
@@ -248,17 +273,7 @@ def train(
                 if improved:
                     weights = {"state_dict": state["state_dict"], "epoch": epoch}
                     save_torch({**identity, **weights}, best_path)
-                save_torch(
-                    {
-                        **identity,
-                        "version": CHECKPOINT_VERSION,
-                        **state,
-                        "epoch": epoch,
-                        "history": history,
-                        "best_rsum": best_rsum,
-                    },
-                    last_path,
-                )
+                save_last(epoch, state)
                 log(
                     f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
                     f"(best {best_rsum:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
@@ -267,79 +282,126 @@ def train(
                     on_epoch(history)
             if world > 1:
                 torch.distributed.barrier()
+            if run.agreed(False) and epoch + 1 < cfg.epochs:
+                checkpoints.written()  # stopped by a signal: last.pt is this epoch's
     finally:
+        checkpoints.close()
         batches.close()
         val_batches.close()
     return {"history": history, "best_rsum": best_rsum, "model": model}
 
 
-def _train_epoch(
-    name,
-    wrapped,
-    model,
-    optimizer,
-    scheduler,
-    batches,
-    cfg,
-    epoch,
-    device,
-    rank,
-    world,
-    last_path,
-    log,
-) -> tuple[dict, float, int]:
-    """One epoch of optimizer steps; returns the history row (mean loss parts, lr), the
-    seconds it took and the pairs seen (all ranks). No step waits for the device: the
-    loss parts are summed there, and the non-finite flag is read every ``CHECK_EVERY``
-    steps (a non-finite step is reported by its own epoch and step; the steps after it
-    only touch weights that are never saved)."""
-    tasks = epoch_tasks(batches.source, cfg, epoch, rank, world)
-    steps = _steps(tasks)
-    t0, seen, done = time.perf_counter(), 0, 0
-    sums: dict[str, torch.Tensor] = {}
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first
-    bad_loss = torch.zeros((), dtype=torch.float32, device=device)  # and its loss
-    model.train()
-    stream = batches.run(tasks)
-    try:
-        for step, batch in enumerate(stream):
-            batch["epoch"] = epoch
-            with autocast(device):
-                parts = wrapped(batch)
-            loss = parts["loss"]
-            newly = ~torch.isfinite(loss.detach()) & (first_bad < 0)
-            first_bad = torch.where(newly, step, first_bad)
-            bad_loss = torch.where(newly, loss.detach().float(), bad_loss)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            for key, value in parts.items():  # summed on the device, in float64
-                total = sums.get(key)
-                value = value.detach().double()
-                sums[key] = value if total is None else total + value
-            seen += _batch_size(batch) * world
-            done = step + 1
-            if done % CHECK_EVERY == 0 or done == steps:
-                _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
-            if rank == 0 and done % max(1, steps // 4) == 0:
-                rate = seen / (time.perf_counter() - t0)
-                log(
-                    f"{name} epoch {epoch} step {done}/{steps} "
-                    f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
-                )
-    finally:
-        stream.close()
-    if done != steps:
+def _check_within(within: dict, path: Path, world: int, data, cfg: TrainConfig) -> dict:
+    """A step checkpoint's position, for this run: a stream (shards) goes on only on as
+    many ranks as wrote it; a map-style epoch on any number (elastic)."""
+    positions = within.get("positions") or [None]
+    if hasattr(data, "epoch_stream") and len(positions) != world:
         raise TrainingError(
-            f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
-            "shards (vse shards build) or train from the stores (train.shards: null)"
+            f"{path}: written mid-epoch by {len(positions)} ranks streaming shards; resume on "
+            f"{len(positions)} ranks, or let the epoch finish (train.shards: streams are "
+            "dealt per rank)"
         )
-    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
-    row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
-    row["lr"] = optimizer.param_groups[0]["lr"]
-    return row, time.perf_counter() - t0, seen
+    return within
+
+
+class _Run:
+    """One run's training epochs (what :func:`train` set up)."""
+
+    def __init__(
+        self, name, wrapped, model, optimizer, scheduler, batches, cfg, device, rank, world
+    ):
+        self.name, self.wrapped, self.model = name, wrapped, model
+        self.optimizer, self.scheduler, self.batches, self.cfg = optimizer, scheduler, batches, cfg
+        self.device, self.rank, self.world = device, rank, world
+
+    def epoch(self, epoch: int, within: dict | None) -> tuple[dict, float, int]:
+        """One epoch of optimizer steps (from a step checkpoint's ``within``: from its next
+        batch); returns the history row (mean loss parts, lr), the seconds it took and the
+        pairs seen (all ranks). No step waits for the device: the loss parts are summed
+        there, and the non-finite flag is read every ``CHECK_EVERY`` steps (a non-finite
+        step is reported by its own epoch and step; the steps after it only touch
+        weights that are never saved). Between steps, :class:`StepCheckpoints` decides
+        when ``last.pt`` is written (all ranks agree)."""
+        from models.data.batches import Stream
+
+        name, cfg, device, world, rank = self.name, self.cfg, self.device, self.world, self.rank
+        model, optimizer, scheduler = self.model, self.optimizer, self.scheduler
+        tasks = epoch_tasks(self.batches.source, cfg, epoch, rank, world)
+        steps = _steps(tasks)
+        t0, seen, done, first = time.perf_counter(), 0, 0, 0
+        sums: dict[str, torch.Tensor] = {}
+        if within is not None:  # the skip is computed: no batch before it is built
+            first, seen = within["step"], within["seen"]
+            sums = {k: v.to(device) for k, v in within["sums"].items()}
+            if isinstance(tasks, Stream):
+                tasks = Stream(tasks.spec, tasks.steps, within["positions"][rank])
+            else:
+                tasks = tasks[first:]
+        first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first
+        bad_loss = torch.zeros((), dtype=torch.float32, device=device)  # and its loss
+        model.train()
+        stream = self.batches.run(tasks)
+        try:
+            for step, batch in enumerate(stream, first):
+                batch["epoch"] = epoch
+                with autocast(device):
+                    parts = self.wrapped(batch)
+                loss = parts["loss"]
+                newly = ~torch.isfinite(loss.detach()) & (first_bad < 0)
+                first_bad = torch.where(newly, step, first_bad)
+                bad_loss = torch.where(newly, loss.detach().float(), bad_loss)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                for key, value in parts.items():  # summed on the device, in float64
+                    total = sums.get(key)
+                    value = value.detach().double()
+                    sums[key] = value if total is None else total + value
+                seen += _batch_size(batch) * world
+                done = step + 1
+                if done % CHECK_EVERY == 0 or done == steps:
+                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
+                if rank == 0 and done % max(1, steps // 4) == 0:
+                    rate = seen / (time.perf_counter() - t0)
+                    self.log(
+                        f"{name} epoch {epoch} step {done}/{steps} "
+                        f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
+                    )
+                if self.agreed(self.checkpoints.due(done)) and done < steps:
+                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
+                    state = {"epoch": epoch, "step": done, "seen": seen, "world": world}
+                    state["sums"] = {k: v.cpu() for k, v in sums.items()}
+                    state["position"] = self.batches.position
+                    self.save_step(epoch, state)
+                    self.checkpoints.written()
+        finally:
+            stream.close()
+        if done != steps:
+            raise TrainingError(
+                f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
+                "shards (vse shards build) or train from the stores (train.shards: null)"
+            )
+        _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
+        row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
+        row["lr"] = optimizer.param_groups[0]["lr"]
+        return row, time.perf_counter() - t0, seen
+
+    def agreed(self, due: bool) -> bool:
+        """``due`` (write a checkpoint now) as all ranks agree under DDP: one rank's
+        reason (its clock, or a signal: then every rank stops) holds for all."""
+        if self.world == 1:
+            return due
+        stopping = self.checkpoints.stopping is not None
+        flag = torch.tensor([2 if stopping else int(due)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            flag = flag.to(self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        value = int(flag.item())
+        if value == 2 and not stopping:
+            self.checkpoints.stopping = "a signal on another rank"
+        return value > 0
 
 
 def _batch_size(batch: dict) -> int:

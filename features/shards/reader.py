@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,25 +116,33 @@ def decode_npy(data) -> np.ndarray:
 
 
 def read_groups(
-    url: str, recorded: Mapping | None, storage_options: dict | None = None
-) -> Iterator[Group]:
+    url: str,
+    recorded: Mapping | None,
+    storage_options: dict | None = None,
+    keep: Callable[[int], bool] | None = None,
+) -> Iterator[Group | None]:
     """The groups of one shard, in order, each member checked against ``recorded`` (the
     shard's entry in ``sizes.json``; None: unchecked, for benchmarks) before its group
-    is yielded (:func:`features.shards.members.members`)."""
+    is yielded (:func:`features.shards.members.members`). With ``keep``, only groups
+    ``i`` with ``keep(i)`` are decoded; the others come as None (a resume's skip)."""
     current: Group | None = None
-    key = None
+    key, index = None, -1
     for name, data in members(url, recorded, storage_options):
         base = name.rsplit("/", 1)[-1]
         member_key, _, suffix = base.partition(".")
         if member_key != key:
-            if current is not None:
+            if index >= 0:
                 yield current
-            current, key = Group({}), member_key
+            index += 1
+            key = member_key
+            current = Group({}) if keep is None or keep(index) else None
+        if current is None:
+            continue
         if suffix == "meta.json":
             current.meta = json.loads(bytes(data))
         elif suffix.endswith(".npy"):
             current.arrays[suffix[: -len(".npy")]] = decode_npy(data)
-    if current is not None:
+    if index >= 0:
         yield current
 
 

@@ -32,6 +32,7 @@ run with the same worker count. Nothing here draws from torch's global RNG.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import traceback
@@ -61,6 +62,7 @@ class Stream:
 
     spec: tuple
     steps: int
+    start: dict | None = None  # where to go on from: a Batches.position of this stream
 
 
 class Arena:
@@ -171,6 +173,107 @@ def as_tensors(batch: dict) -> dict:
 # --------------------------------------------------------------------------- workers
 
 
+def _one_thread(_worker: int) -> None:
+    torch.set_num_threads(1)
+
+
+class _Items:
+    """The DataLoader's sampler: the items of the pass in progress (set before each pass)."""
+
+    items = staticmethod(lambda: iter(()))
+
+    def __iter__(self):
+        return iter(self.items())
+
+
+def _as_is(item):
+    """The DataLoader's collate for ``batch_size=None``: the item as the worker made it."""
+    return item
+
+
+class SharedAlloc:
+    """The ``alloc`` of a build in a DataLoader worker: each array is a view of a fresh
+    shared-memory tensor, so the batch reaches the training process without a copy;
+    :meth:`tensors` gives the batch as those tensors."""
+
+    def __init__(self):
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        like = torch.from_numpy(np.empty(0, dtype))
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        tensor = torch.empty(0, dtype=like.dtype).set_(storage, 0, shape)
+        array = tensor.numpy()
+        self._made[array.__array_interface__["data"][0]] = tensor
+        return array
+
+    def adopt(self, batch: dict) -> dict:  # arrays from elsewhere are copied when sent
+        return batch
+
+    def tensors(self, batch: dict) -> dict:
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(np.ascontiguousarray(value))
+            if torch.is_tensor(value):
+                made = self._made.get(value.data_ptr())
+                if made is not None and made.shape == value.shape and made.dtype == value.dtype:
+                    value = made
+            out[key] = value
+        return out
+
+
+class _Builds(torch.utils.data.Dataset):
+    """What a DataLoader worker makes of the item the sampler sends it: ``("build", kind,
+    index)``, or ``("next", spec, pass, offset, start)``: the next batch of stream
+    ``(worker + offset) % W`` of ``spec`` (from ``start``, a position the stream gave,
+    when given). Answers ``("ok", stream, batch, position)``, ``("end", stream)`` or
+    ``("error", exception, traceback)``."""
+
+    def __init__(self, source, stats: dict, finish_here: bool):
+        self.source, self.stats, self.finish_here = source, stats, finish_here
+        self._stream = (None, None)
+        self._alloc: list = [None]  # the current item's alloc, for a stream's batches
+
+    def __len__(self) -> int:  # items come from the sampler
+        return 0
+
+    def __getitem__(self, item):
+        alloc, stream, position = SharedAlloc(), None, None
+        try:
+            if item[0] == "build":
+                batch = build(self.source, item[1], item[2], alloc)
+            else:
+                _, spec, pass_id, offset, start = item
+                info = torch.utils.data.get_worker_info()
+                workers = info.num_workers if info else 1
+                stream = ((info.id if info else 0) + offset) % workers
+                if self._stream[0] != (pass_id, stream):
+                    current = self._alloc
+                    generator = self.source.stream(
+                        spec, stream, workers, lambda shape, dtype: current[0](shape, dtype), start
+                    )
+                    self._stream = ((pass_id, stream), generator)
+                self._alloc[0] = alloc
+                got = next(self._stream[1], None)
+                if got is None:
+                    return ("end", stream)
+                batch, position = got
+            if self.finish_here:
+                batch = finish(as_tensors(alloc.tensors(batch)), self.stats, alloc=alloc)
+            return ("ok", stream, alloc.tensors(batch), position)
+        except UserError as exc:
+            return ("error", exc, None)
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the trainer
+            return ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+
+
+# --------------------------------------------------------------------------- pool (timed against the DataLoader)
+
+
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
     """A worker process: builds the batches it is asked for into its arenas (one per
     slot) and answers with their layout (and an arena's new buffer when it grew)."""
@@ -202,7 +305,7 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
                 if raw is None:
                     conn.send(("end", slot, None, None))
                     continue
-                batch = arena.adopt(raw)
+                batch = arena.adopt(raw[0])
             if finish_here:
                 batch = arena.adopt(finish(as_tensors(batch), stats, alloc=arena))
             fresh = arena.tensor if arena.changed else None
@@ -229,7 +332,9 @@ class Batches:
     the previous one.
     """
 
-    def __init__(self, source, device, *, num_workers: int = 0, prefetch: int = 2):
+    def __init__(
+        self, source, device, *, num_workers: int = 0, prefetch: int = 2, pool: bool = False
+    ):
         if num_workers and prefetch < 1:
             raise UserError("prefetch: workers build at least one batch ahead; set it >= 1")
         self.source = source
@@ -244,6 +349,11 @@ class Batches:
         self._workers: list = []
         self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (worker, slot) -> arena
         self._active = None  # the pass in progress
+        self.pool = pool
+        self._loader = None  # the DataLoader of num_workers processes, kept between passes
+        self._items = _Items()
+        self._passes = 0
+        self.position: dict | None = None  # a stream's position after the last batch given
 
     # -- lifecycle
 
@@ -261,6 +371,7 @@ class Batches:
         self._stop_workers()
 
     def _stop_workers(self) -> None:
+        self._close_loader()
         for _, conn in self._workers:
             try:
                 conn.send(None)
@@ -306,7 +417,9 @@ class Batches:
     # -- one pass
 
     def run(self, tasks: Sequence[tuple[str, np.ndarray]] | Stream) -> Iterator[dict]:
-        """The batches of ``tasks``, ready on the device, in order."""
+        """The batches of ``tasks``, ready on the device, in order. For a :class:`Stream`,
+        :attr:`position` is where the stream stands after the last batch handed out (what
+        ``Stream.start`` takes to go on from there)."""
         if self._active is not None:
             self._active.close()
         self._active = self._run(tasks)
@@ -314,13 +427,16 @@ class Batches:
 
     def _run(self, tasks) -> Iterator[dict]:
         stop = threading.Event()
-        if self.num_workers:
+        self.position = tasks.start if isinstance(tasks, Stream) else None
+        ahead = bool(self.prefetch)
+        if self.num_workers and not self.pool:
+            produced, ahead = self._from_loader(tasks), False
+        elif self.num_workers:
             if not self._workers:
                 self._start_workers()
             produced = self._from_workers(tasks, stop)
         else:
             produced = self._built_here(tasks, stop)
-        ahead = bool(self.num_workers or self.prefetch)
         if ahead:
             produced = self._in_thread(produced, stop)
         release = None
@@ -330,12 +446,13 @@ class Batches:
                     release()
                     release = None
                 try:
-                    batch, done = next(produced)
+                    batch, done, position = next(produced)
                 except StopIteration:
                     return
                 if release is not None:
                     release()  # the consumer is done with the previous batch
                 release = done
+                self.position = position
                 yield self._ready(batch)
         finally:
             stop.set()
@@ -355,15 +472,15 @@ class Batches:
             }
         return finish(batch, self._device_stats)
 
-    def _handoff(self, batch: dict, release) -> tuple[dict, object]:
+    def _handoff(self, batch: dict, release, position=None) -> tuple[dict, object, object]:
         """What the producer passes on: on an accelerator a pinned copy (the arena is freed
         at once, the consumer copies without blocking); on the CPU the arena's views."""
         if self.device.type == "cpu":
-            return batch, release
+            return batch, release, position
         pin = self.device.type == "cuda"  # (another device gets a plain copy)
         copied = {k: _copied(v, pin) for k, v in batch.items()}
         release()
-        return copied, None
+        return copied, None, position
 
     @staticmethod
     def _wait(free: queue.Queue, stop: threading.Event):
@@ -392,16 +509,18 @@ class Batches:
             def alloc(shape, dtype):
                 return current[-1](shape, dtype)
 
-            stream = self.source.stream(tasks.spec, 0, 1, alloc)
-            for _ in range(tasks.steps):
+            start = (tasks.start or {}).get("streams", {}).get(0)
+            stream = self.source.stream(tasks.spec, 0, 1, alloc, start)
+            for taken in range((tasks.start or {}).get("taken", 0), tasks.steps):
                 arena = self._wait(free, stop)
                 arena.reset()
                 current.append(arena)
-                raw = next(stream, None)
-                if raw is None:
+                got = next(stream, None)
+                if got is None:
                     return
-                batch = self._finished(arena.adopt(raw), arena)
-                yield self._handoff(batch, lambda a=arena: free.put(a))
+                batch = self._finished(arena.adopt(got[0]), arena)
+                position = {"streams": {0: got[1]}, "next": 0, "taken": taken + 1}
+                yield self._handoff(batch, lambda a=arena: free.put(a), position)
             return
         for kind, index in tasks:
             arena = self._wait(free, stop)
@@ -436,7 +555,7 @@ class Batches:
                 free[w].put(slot)
                 return None
             batch = from_layout(self._buffers[(w, slot)], layout)
-            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s))
+            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s))[:2] + (None,)
 
         try:
             if isinstance(tasks, Stream):
@@ -480,6 +599,74 @@ class Batches:
                         self._receive(w, pending[w])
                     except DataWorkerError:
                         break
+
+    def _from_loader(self, tasks) -> Iterator[tuple[dict, object, object]]:
+        """Batches built by the DataLoader's ``num_workers`` processes: task ``i`` by worker
+        ``i % W``, in order; a stream: the next batch of each of its W streams in turn,
+        skipping streams that ended (from ``Stream.start``: its streams' positions and
+        the stream whose turn it is)."""
+        if self._loader is None:
+            self._loader = torch.utils.data.DataLoader(
+                _Builds(self.source, self.stats, self._finish_on_host),
+                batch_size=None,
+                sampler=self._items,
+                num_workers=self.num_workers,
+                collate_fn=_as_is,
+                pin_memory=self.device.type == "cuda",
+                prefetch_factor=self.prefetch,
+                persistent_workers=True,
+                multiprocessing_context=WORKER_CONTEXT,
+                worker_init_fn=_one_thread,
+            )
+        workers, stream = self.num_workers, isinstance(tasks, Stream)
+        start = (tasks.start or {}) if stream else {}
+        states = dict(start.get("streams", {}))
+        offset, taken = start.get("next", 0), start.get("taken", 0)
+        self._passes += 1
+        if stream:
+            spec, passes = tasks.spec, self._passes
+
+            def items():
+                for i in itertools.count():
+                    first = states.get((i + offset) % workers) if i < workers else None
+                    yield ("next", spec, passes, offset, first)
+
+            self._items.items = items
+        else:
+            self._items.items = lambda: (("build", kind, index) for kind, index in tasks)
+        try:
+            got = iter(self._loader)
+            ended: set[int] = set()
+            while not stream or (taken < tasks.steps and len(ended) < workers):
+                item = next(got, None)
+                if item is None:
+                    return
+                if item[0] == "error":
+                    if item[1] is not None:
+                        raise item[1]
+                    raise DataWorkerError(f"a data worker failed:\n{item[2]}")
+                if item[0] == "end":
+                    ended.add(item[1])
+                    continue
+                _, w, batch, position = item
+                if stream:
+                    states[w] = position
+                    taken += 1
+                    position = {"streams": dict(states), "next": (w + 1) % workers, "taken": taken}
+                yield batch, None, position
+        except RuntimeError as err:
+            if "DataLoader worker" not in str(err):
+                raise
+            self._close_loader()  # the next pass starts new workers
+            raise DataWorkerError(
+                f"a data worker exited unexpectedly ({' '.join(str(err).split())[:120]}; "
+                "killed for memory?); lower train.num_workers or train.prefetch"
+            ) from None
+
+    def _close_loader(self) -> None:
+        if self._loader is not None and self._loader._iterator is not None:
+            self._loader._iterator._shutdown_workers()
+        self._loader = None
 
     def _receive(self, w: int, pending: deque) -> tuple[str, int, dict | None]:
         """The next answer of worker ``w`` (to the oldest request in ``pending``); keeps

@@ -123,55 +123,105 @@ class ShardData:
 
         return Stream((epoch, rank, world), self.steps(world))
 
-    def stream(self, spec: tuple, worker: int, n_workers: int, alloc) -> Iterator[dict]:
-        """Raw pair batches of one stream (see the class docstring)."""
+    def stream(
+        self, spec: tuple, worker: int, n_workers: int, alloc, start: dict | None = None
+    ) -> Iterator[tuple[dict, dict]]:
+        """Raw pair batches of one stream (see the class docstring), each with the
+        stream's position after it (plain data). From ``start``, such a position, the
+        stream goes on with the next batch: it reads only the groups that hold captions
+        not yet given (the skip is computed from the position, not replayed).
+
+        A position: the shard (in this stream's order) and group read next, the
+        generator's state, and the captions held, in order, as ``(shard, group,
+        caption)``; the first ``ready`` of them are shuffled and due in full batches."""
         from features.shards.reader import read_groups
 
         epoch, rank, world = spec
+        mine = self._mine(epoch, rank, world, worker)
         rng = np.random.default_rng([self.seed, epoch, rank, worker])
-        held: list = []
-        refs = np.empty((0, 2), np.int64)  # (group in held, caption in group)
-        for position in self._mine(epoch, rank, world, worker):
-            url = f"{self.url.rstrip('/')}/{self.shards[position]}"
-            for group in read_groups(url, self.recorded[position], self.storage_options):
-                n = int(group.caption_image.shape[0])
-                pairs = np.stack([np.full(n, len(held)), np.arange(n)], 1)
-                held.append(group)
-                refs = np.concatenate([refs, pairs])
-                if len(refs) >= self.buffer:
-                    # at this point the buffer holds >= shuffle_buffer captions
-                    refs = refs[rng.permutation(len(refs))]
-                    yield from self._emit(held, refs, alloc)
-                    held, refs = self._carry(
-                        held, refs[len(refs) // self.batch_size * self.batch_size :]
-                    )
-        refs = refs[rng.permutation(len(refs))]  # the stream's last captions
-        yield from self._emit(held, refs, alloc)
+        shard, group, ready, refs = 0, 0, 0, np.empty((0, 3), np.int64)
+        if start is not None:
+            shard, group, ready = start["shard"], start["group"], start["ready"]
+            refs = np.asarray(start["refs"], np.int64).reshape(-1, 3)
+            rng.bit_generator.state = _rng_state(start["rng"])
+        url = [f"{self.url.rstrip('/')}/{self.shards[p]}" for p in mine]
+        recorded = [self.recorded[p] for p in mine]  # members' CRC-32C
+        held: dict[tuple[int, int], object] = {}
+        for s in np.unique(refs[:, 0]):  # the groups of the captions held (a resume)
+            wanted = set(refs[refs[:, 0] == s, 1].tolist())
+            groups = read_groups(url[s], recorded[s], self.storage_options, wanted.__contains__)
+            for g, read in enumerate(groups):
+                if read is not None:
+                    held[(int(s), g)] = read
+        reading = None
+        if shard < len(mine):
+            groups = read_groups(url[shard], recorded[shard], self.storage_options, group.__le__)
+            reading = enumerate(groups)
 
-    def _emit(self, held: list, refs: np.ndarray, alloc) -> Iterator[dict]:
-        """The full batches of ``refs`` (in order) from the ``held`` groups."""
+        def position() -> dict:
+            return {
+                "shard": shard,
+                "group": group,
+                "ready": ready,
+                "refs": refs.copy(),
+                "rng": _rng_text(rng.bit_generator.state),
+            }
+
+        while True:
+            while ready >= self.batch_size:
+                chosen, refs = refs[: self.batch_size], refs[self.batch_size :]
+                ready -= self.batch_size
+                yield self._emit(held, chosen, alloc), position()
+            ready = 0
+            if reading is None:
+                return
+            got = next(reading, None)
+            if got is None:  # this shard is done: the next one, or the stream's last batches
+                shard, group = shard + 1, 0
+                if shard < len(mine):
+                    groups = read_groups(url[shard], recorded[shard], self.storage_options)
+                    reading = enumerate(groups)
+                    continue
+                reading = None
+                refs, ready = refs[rng.permutation(len(refs))], len(refs)
+                continue
+            g, read = got
+            if g < group:  # read before the position (not decoded)
+                continue
+            held[(shard, g)] = read
+            n = int(read.caption_image.shape[0])
+            new = np.stack([np.full(n, shard), np.full(n, g), np.arange(n)], 1)
+            refs, group = np.concatenate([refs, new]), g + 1
+            if len(refs) >= self.buffer:  # the buffer holds >= shuffle_buffer captions
+                refs = refs[rng.permutation(len(refs))]
+                ready = len(refs) // self.batch_size * self.batch_size
+                kept = {(int(s), int(g)) for s, g in refs[:, :2]}
+                held = {k: v for k, v in held.items() if k in kept}
+
+    def _emit(self, held: dict, chosen: np.ndarray, alloc) -> dict:
+        """The batch of captions ``chosen`` ``(shard, group, caption)``, rows in storage
+        order (a random set of captions: each group's rows are copied in one slice)."""
         from features.shards.reader import GroupColumns
 
+        chosen = chosen[np.lexsort((chosen[:, 2], chosen[:, 1], chosen[:, 0]))]
+        keys, inverse = np.unique(chosen[:, :2], axis=0, return_inverse=True)
+        groups = [held[(int(s), int(g))] for s, g in keys]
         images = {
-            role: GroupColumns(held, self.names[role], self.fields[role], "images")
+            role: GroupColumns(groups, self.names[role], self.fields[role], "images")
             for role in self.names
             if role != "text"
         }
         text = None
         if "text" in self.names:
-            text = GroupColumns(held, "text", self.fields["text"], "captions")
-        image_base = np.concatenate([[0], np.cumsum([g.n_images for g in held])[:-1]])
-        caption_image = [g.caption_image for g in held]
+            text = GroupColumns(groups, "text", self.fields["text"], "captions")
+        image_base = np.concatenate([[0], np.cumsum([g.n_images for g in groups])[:-1]])
+        caption_image = [g.caption_image for g in groups]
         caption_base = np.concatenate([[0], np.cumsum([len(c) for c in caption_image])[:-1]])
-        flat_image = np.concatenate(caption_image) if held else np.empty(0, np.int64)
-        for start in range(0, len(refs) // self.batch_size * self.batch_size, self.batch_size):
-            chosen = refs[start : start + self.batch_size]
-            # a random set of captions; in storage order, each group's rows are copied
-            # into the batch in one slice
-            chosen = chosen[np.lexsort((chosen[:, 1], chosen[:, 0]))]
-            captions = caption_base[chosen[:, 0]] + chosen[:, 1]  # rows among held captions
-            rows = image_base[chosen[:, 0]] + flat_image[captions]  # rows among held images
-            yield self._batch(held, images, text, rows, captions, alloc)
+        flat_image = np.concatenate(caption_image)
+        inverse = inverse.reshape(-1)
+        captions = caption_base[inverse] + chosen[:, 2]  # rows among the groups' captions
+        rows = image_base[inverse] + flat_image[captions]  # rows among the groups' images
+        return self._batch(groups, images, text, rows, captions, alloc)
 
     def _batch(self, held, images, text, rows, captions, alloc) -> dict[str, np.ndarray]:
         out = image_arrays(self.inputs, images, {role: rows for role in images}, alloc)
@@ -192,10 +242,12 @@ class ShardData:
         )
         return out
 
-    @staticmethod
-    def _carry(held: list, refs: np.ndarray) -> tuple[list, np.ndarray]:
-        """The groups still referenced by the captions left over (fewer than a batch)."""
-        kept = np.unique(refs[:, 0])
-        remap = np.full(len(held), -1, np.int64)
-        remap[kept] = np.arange(len(kept))
-        return [held[k] for k in kept], np.stack([remap[refs[:, 0]], refs[:, 1]], 1)
+
+def _rng_text(state: dict) -> dict:
+    """A numpy bit generator's state as plain data (its 128-bit integers as text)."""
+    inner = {k: str(v) for k, v in state["state"].items()}
+    return {**state, "state": inner}
+
+
+def _rng_state(text: dict) -> dict:
+    return {**text, "state": {k: int(v) for k, v in text["state"].items()}}

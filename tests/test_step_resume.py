@@ -1,0 +1,249 @@
+"""Preemption: SIGTERM at a step -> ``last.pt`` written mid-epoch, a resumable exit ->
+``--resume`` goes on with the very next batch, for the stores (Zarr) and the WebDataset
+shards, built in the loop or by 2 worker processes, and ends with weights bitwise equal
+to an uninterrupted run; the resumed run reads none of the batches before the step."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from store_data import make_stores
+
+import features.shards.reader
+from features.ingest.manifest import read_manifest
+from features.shards.writer import ShardsConfig, build_shards
+from features.store.reader import Store
+from infra.resume import RESUMABLE_EXIT, Preempted, StepCheckpoints
+from models.common import TrainConfig
+from models.data.pairs import PairData
+from models.data.shards import ShardData
+from models.mvvse import MVVSEConfig
+from models.registry import model_inputs
+from models.train import TrainingError, train
+from models.vsepp import VSEPPConfig
+
+INPUTS = frozenset({"image", "words"})
+MODELS = {
+    "vsepp": VSEPPConfig(embed_size=16, word_dim=8),
+    "mvvse": MVVSEConfig(embed_size=16, word_dim=8, gpo_hidden=8, gpo_pe_dim=8),
+}
+CFG = TrainConfig(
+    epochs=2, batch_size=4, lr=2e-3, shuffle_buffer=10, device="cpu", prefetch=1, standardize=True
+)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preempt")
+    paths = make_stores(root)
+    stores = {"regions": Store.open(paths.regions), "global": Store.open(paths.global_)}
+    layout = ShardsConfig(samples_per_shard=8, images_per_group=3)
+    text = Store.open(paths.text)
+    build_shards(read_manifest(paths.manifest), stores, root / "out", layout, text=text)
+    return root, paths
+
+
+def run(packed, name, cfg, out, *, source="stores", resume=False):
+    root, paths = packed
+    inputs = model_inputs(name, MODELS[name])
+    data = PairData(paths, "train", inputs)
+    train_data = ShardData(str(root / "out"), data, cfg) if source == "shards" else data
+    val = PairData(paths, "val", inputs)
+    return train(name, MODELS[name], cfg, train_data, val, out, resume=resume, log=lambda m: None)
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+def signal_at(monkeypatch, step: int) -> None:
+    """SIGTERM to this process during optimizer step ``step`` (counted over the run)."""
+    original, count = torch.optim.AdamW.step, [0]
+
+    def step_then_signal(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_signal)
+
+
+@pytest.mark.parametrize("name", ["vsepp", "mvvse"])
+@pytest.mark.parametrize("source", ["stores", "shards"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_then_resume_equals_an_uninterrupted_run(
+    packed, tmp_path, monkeypatch, name, source, workers
+):
+    cfg = CFG.model_copy(update={"num_workers": workers})
+    full = run(packed, name, cfg, tmp_path / "full", source=source)
+    steps = len(full["history"]) and _steps_per_epoch(packed, cfg, source)
+    # a step of either epoch, not its last (that one ends the epoch), drawn per case
+    rng = np.random.default_rng(sum(map(ord, f"{name}{source}{workers}")))
+    at = int(rng.choice([s for s in range(1, 2 * steps) if s % steps]))
+    with monkeypatch.context() as patch:
+        signal_at(patch, at)
+        with pytest.raises(Preempted, match="stopped by SIGTERM.*rerun with --resume") as err:
+            run(packed, name, cfg, tmp_path / "split", source=source)
+    assert err.value.exit_code == RESUMABLE_EXIT == 75
+    ckpt = torch.load(tmp_path / "split" / "last.pt", weights_only=True)
+    assert ckpt["within"]["epoch"] == at // steps and ckpt["within"]["step"] == at % steps
+    resumed = run(packed, name, cfg, tmp_path / "split", source=source, resume=True)
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in full["history"]]
+    a, b = weights(tmp_path / "full" / "last.pt"), weights(tmp_path / "split" / "last.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (at, steps)
+
+
+def _steps_per_epoch(packed, cfg, source) -> int:
+    root, paths = packed
+    data = PairData(paths, "train", INPUTS)
+    if source == "shards":
+        return ShardData(str(root / "out"), data, cfg).steps(1)
+    return len(data) // cfg.batch_size
+
+
+def test_resume_of_the_stores_builds_no_batch_before_the_step(packed, tmp_path, monkeypatch):
+    """Resumed at epoch 0 step k, the first batch built is the k-th of the epoch's
+    permutation (written out here from its definition), and only the rest are built."""
+    cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 5})
+    built = []
+    original = PairData.build
+
+    def recorded(self, kind, index, alloc=np.empty):
+        if self.split == "train":
+            built.append(np.asarray(index).copy())
+        return original(self, kind, index, alloc)
+
+    monkeypatch.setattr(PairData, "build", recorded)
+    with monkeypatch.context() as patch:
+        signal_at(patch, 7)  # written at step 5 (every 5 steps), then at step 7 (signal)
+        with pytest.raises(Preempted):
+            run(packed, "vsepp", cfg, tmp_path / "split")
+    n = len(PairData(packed[1], "train", INPUTS))
+    order = np.random.default_rng([cfg.seed, 0]).permutation(n)
+    want = [order[s * 4 : s * 4 + 4] for s in range(n // 4)]
+    built.clear()
+    run(packed, "vsepp", cfg, tmp_path / "split", resume=True)
+    assert len(built) == len(want) - 7
+    assert all(np.array_equal(a, b) for a, b in zip(built, want[7:], strict=True))
+
+
+def test_resume_of_the_shards_reads_no_group_consumed_before_the_step(
+    packed, tmp_path, monkeypatch
+):
+    """Groups decoded by the resumed run each hold a caption of a batch still to come
+    (from the uninterrupted run): the groups whose captions were all given are not read."""
+    cfg = CFG.model_copy(update={"epochs": 1})
+    original_read = features.shards.reader.read_groups
+    decoded: list[set] = []
+
+    def recording(url, storage_options=None, keep=None):
+        for group in original_read(url, storage_options, keep):
+            if group is not None:
+                decoded.append(set(group.meta["index"]))
+            yield group
+
+    images = []  # per batch of the uninterrupted run: its images (positions in the split)
+    original_emit = ShardData._emit
+
+    def emitted(self, held, chosen, alloc):
+        batch = original_emit(self, held, chosen, alloc)
+        images.append(set(batch["caption_image"].tolist()))
+        return batch
+
+    monkeypatch.setattr(features.shards.reader, "read_groups", recording)
+    monkeypatch.setattr(ShardData, "_emit", emitted)
+    run(packed, "vsepp", cfg, tmp_path / "full", source="shards")
+    uninterrupted = list(images)
+    k = 9
+    with monkeypatch.context() as patch:
+        signal_at(patch, k)
+        with pytest.raises(Preempted):
+            run(packed, "vsepp", cfg, tmp_path / "split", source="shards")
+    later = set().union(*uninterrupted[k:])  # images of the batches still to come
+    decoded.clear()
+    images.clear()
+    run(packed, "vsepp", cfg, tmp_path / "split", source="shards", resume=True)
+    assert images == uninterrupted[k:]  # the very next batch, and only those after it
+    assert decoded and all(group & later for group in decoded), (decoded, later)
+    assert len(decoded) < len(read_all(packed))
+
+
+def test_a_second_signal_exits_at_once(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    checkpoints = StepCheckpoints(log=lambda m: None)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert checkpoints.stopping == "SIGINT" and checkpoints.due(3) and not exits
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM]
+    finally:
+        checkpoints.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_step_checkpoints_follow_the_step_count(packed, tmp_path, monkeypatch):
+    """checkpoint_every_steps: last.pt rewritten mid-epoch every N steps (not at step 0),
+    each loadable and resumable; the epoch-end one has no step."""
+    written = []
+    import models.train
+
+    original = models.train.save_torch
+
+    def recording(obj, path):
+        written.append(obj.get("within") and obj["within"]["step"])
+        return original(obj, path)
+
+    monkeypatch.setattr(models.train, "save_torch", recording)
+    cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 4})
+    run(packed, "vsepp", cfg, tmp_path / "run")
+    steps = _steps_per_epoch(packed, cfg, "stores")
+    mid = [s for s in written if s]
+    assert mid == list(range(4, steps, 4)) and written[-1] is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "garbage", "pickled code", "other file"],
+)
+def test_resume_from_a_damaged_last_pt_is_one_line(packed, tmp_path, damage):
+    """An unreadable, cut or malicious last.pt: one line naming it, no traceback, and
+    pickled code is never run (weights_only)."""
+    cfg = CFG.model_copy(update={"epochs": 1})
+    out = tmp_path / "run"
+    run(packed, "vsepp", cfg, out)
+    last = out / "last.pt"
+    data = last.read_bytes()
+    if damage == "truncated":
+        last.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        last.write_bytes(b"\x00not a checkpoint" * 100)
+    elif damage == "pickled code":
+        torch.save({"x": _Boom(tmp_path / "boom")}, last)
+    else:
+        torch.save({"state_dict": {}}, last)  # plain data, but not a training checkpoint
+    with pytest.raises(TrainingError) as err:
+        run(packed, "vsepp", cfg.model_copy(update={"epochs": 2}), out, resume=True)
+    message = str(err.value)
+    assert "\n" not in message and str(last) in message and "without --resume" in message
+    assert not (tmp_path / "boom").exists()
+
+
+class _Boom:
+    """A pickled object whose loading would run code (makes a folder)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def read_all(packed) -> list:
+    """Every train group of the shards (what a replayed skip would decode)."""
+    root, _ = packed
+    names = sorted(p.name for p in (root / "out").glob("train-*.tar"))
+    return [g for n in names for g in features.shards.reader.read_groups(str(root / "out" / n))]
