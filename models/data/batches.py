@@ -1,11 +1,12 @@
 """Ready batches, built off the training loop's critical path.
 
 A *source* builds raw batches: ``source.build(kind, index, alloc)`` returns a dict of
-arrays in their stored dtypes (``kind`` "pair": captions with their images, "image",
-"text"), taking every array from ``alloc(shape, dtype)``; a streaming source (WebDataset
-shards) also has ``source.stream(spec, worker, n_workers, alloc)``, a generator of raw
-batches. :class:`Batches` runs the builds ahead of the consumer and hands out batches as
-the models read them (:func:`models.data.finish`: float32, standardised, on the device):
+arrays in their stored dtypes (the batch ``kind``: "pair", captions with their images;
+"image"; "text"), every array from ``alloc(shape, dtype)``; a streaming source (shards)
+also has ``source.stream(spec, worker, n_workers, alloc, start)``, a generator of ``(raw
+batch, position after it)`` (plain data; ``start`` goes on from one). :class:`Batches`
+builds ahead of the consumer and hands out batches as the models read them
+(:func:`models.data.finish`: float32, standardised, on the device):
 
 - ``num_workers = 0``, ``prefetch = 0``: built in the loop, when asked for (debugging);
 - ``num_workers = 0``, ``prefetch = P``: built by a thread of the training process, up
@@ -15,24 +16,26 @@ the models read them (:func:`models.data.finish`: float32, standardised, on the 
   worker ``i % W``, handed out in order.
 
 Memory: every batch is built into an :class:`Arena`, a reusable byte buffer (shared memory
-for workers), so a batch costs no fresh pages (a fresh 40 MB array costs ~10k page
-faults, more than the copy into it) and no copy between processes: a worker sends only
-where each array lies in its arena. A batch handed out on the CPU is a view of its arena
-and stays valid until the next batch is asked for (the training loop is done with a step
-by then). On CUDA the producer copies each batch into pinned memory and frees the arena at
-once; the consumer copies it with ``non_blocking=True`` and finishes it on the device
-(float16 -> float32 and standardisation run on the GPU, once). On the CPU the builder
-finishes the batch itself, so the consumer receives it ready.
+for workers): no fresh pages (a fresh 40 MB array costs ~10k page faults, more than the
+copy into it; torch's DataLoader, which allocates each batch afresh, timed 2-3x slower:
+README, throughput), no copy between processes. A CPU batch is a view of its arena, valid
+until the next batch is asked for. On CUDA the producer copies each batch into pinned
+memory and frees the arena at once; the consumer copies it with ``non_blocking=True``
+and finishes it on the device (float16 -> float32 and standardisation on the GPU, once).
+On the CPU the builder finishes the batch itself, so the consumer receives it ready.
 
 Order: batches come out in the order of the tasks (a map-style epoch: exactly the
 caption batches of :func:`models.train.epoch_batches`), or, for a stream, round-robin
 over the workers, each worker's batches in its stream's order; both are the same on every
 run with the same worker count. Nothing here draws from torch's global RNG.
+
+Resume: a map-style pass goes on with the tasks left; a stream with ``Stream.start`` =
+:attr:`Batches.position` (each worker stream's position, whose turn it is, batches taken),
+from the very next batch, the skip computed (nothing before it is read again).
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import traceback
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 
 from infra.config import UserError
-from models.data.arrays import finish, to_device
+from models.data.arrays import as_tensors, finish, to_device
 
 ALIGN = 64  # bytes; arrays start at cache-line boundaries in an arena
 WORKER_CONTEXT = "spawn"  # a fork would copy the threads of an in-process Prefect run
@@ -166,112 +169,10 @@ def _copied(value, pin: bool):
     return torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value.copy())
 
 
-def as_tensors(batch: dict) -> dict:
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
 # --------------------------------------------------------------------------- workers
 
 
-def _one_thread(_worker: int) -> None:
-    torch.set_num_threads(1)
-
-
-class _Items:
-    """The DataLoader's sampler: the items of the pass in progress (set before each pass)."""
-
-    items = staticmethod(lambda: iter(()))
-
-    def __iter__(self):
-        return iter(self.items())
-
-
-def _as_is(item):
-    """The DataLoader's collate for ``batch_size=None``: the item as the worker made it."""
-    return item
-
-
-class SharedAlloc:
-    """The ``alloc`` of a build in a DataLoader worker: each array is a view of a fresh
-    shared-memory tensor, so the batch reaches the training process without a copy;
-    :meth:`tensors` gives the batch as those tensors."""
-
-    def __init__(self):
-        self._made: dict[int, torch.Tensor] = {}
-
-    def __call__(self, shape, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        like = torch.from_numpy(np.empty(0, dtype))
-        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        storage = torch.UntypedStorage._new_shared(nbytes)
-        tensor = torch.empty(0, dtype=like.dtype).set_(storage, 0, shape)
-        array = tensor.numpy()
-        self._made[array.__array_interface__["data"][0]] = tensor
-        return array
-
-    def adopt(self, batch: dict) -> dict:  # arrays from elsewhere are copied when sent
-        return batch
-
-    def tensors(self, batch: dict) -> dict:
-        out = {}
-        for key, value in batch.items():
-            if isinstance(value, np.ndarray):
-                value = torch.from_numpy(np.ascontiguousarray(value))
-            if torch.is_tensor(value):
-                made = self._made.get(value.data_ptr())
-                if made is not None and made.shape == value.shape and made.dtype == value.dtype:
-                    value = made
-            out[key] = value
-        return out
-
-
-class _Builds(torch.utils.data.Dataset):
-    """What a DataLoader worker makes of the item the sampler sends it: ``("build", kind,
-    index)``, or ``("next", spec, pass, offset, start)``: the next batch of stream
-    ``(worker + offset) % W`` of ``spec`` (from ``start``, a position the stream gave,
-    when given). Answers ``("ok", stream, batch, position)``, ``("end", stream)`` or
-    ``("error", exception, traceback)``."""
-
-    def __init__(self, source, stats: dict, finish_here: bool):
-        self.source, self.stats, self.finish_here = source, stats, finish_here
-        self._stream = (None, None)
-        self._alloc: list = [None]  # the current item's alloc, for a stream's batches
-
-    def __len__(self) -> int:  # items come from the sampler
-        return 0
-
-    def __getitem__(self, item):
-        alloc, stream, position = SharedAlloc(), None, None
-        try:
-            if item[0] == "build":
-                batch = build(self.source, item[1], item[2], alloc)
-            else:
-                _, spec, pass_id, offset, start = item
-                info = torch.utils.data.get_worker_info()
-                workers = info.num_workers if info else 1
-                stream = ((info.id if info else 0) + offset) % workers
-                if self._stream[0] != (pass_id, stream):
-                    current = self._alloc
-                    generator = self.source.stream(
-                        spec, stream, workers, lambda shape, dtype: current[0](shape, dtype), start
-                    )
-                    self._stream = ((pass_id, stream), generator)
-                self._alloc[0] = alloc
-                got = next(self._stream[1], None)
-                if got is None:
-                    return ("end", stream)
-                batch, position = got
-            if self.finish_here:
-                batch = finish(as_tensors(alloc.tensors(batch)), self.stats, alloc=alloc)
-            return ("ok", stream, alloc.tensors(batch), position)
-        except UserError as exc:
-            return ("error", exc, None)
-        except Exception as exc:  # noqa: BLE001 - every failure goes to the trainer
-            return ("error", None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-
-
-# --------------------------------------------------------------------------- pool (timed against the DataLoader)
+# --------------------------------------------------------------------------- workers
 
 
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
@@ -279,7 +180,7 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
     slot) and answers with their layout (and an arena's new buffer when it grew)."""
     torch.set_num_threads(1)
     arenas: dict[int, Arena] = {}
-    stream_spec, stream, current = None, None, [None]
+    stream_pass, stream, current = None, None, [None]
 
     def alloc(shape, dtype):  # a stream's batches go to the slot of the current request
         return current[0](shape, dtype)
@@ -292,31 +193,34 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
         if message is None:
             return
         op, slot, task = message
+        position = None
         arena = arenas.setdefault(slot, Arena(shared=True))
         arena.reset()
         try:
             if op == "build":
                 batch = build(source, task[0], task[1], arena)
-            else:  # "next" batch of the stream `task`
-                if task != stream_spec:
-                    stream_spec, stream = task, source.stream(task, worker, n_workers, alloc)
+            else:  # "next" batch of stream `spec` (from `start`) in pass `number`
+                number, spec, start = task
+                if number != stream_pass:
+                    stream_pass = number
+                    stream = source.stream(spec, worker, n_workers, alloc, start)
                 current[0] = arena
                 raw = next(stream, None)
                 if raw is None:
-                    conn.send(("end", slot, None, None))
+                    conn.send(("end", slot, None, None, None))
                     continue
-                batch = arena.adopt(raw[0])
+                batch, position = arena.adopt(raw[0]), raw[1]
             if finish_here:
                 batch = arena.adopt(finish(as_tensors(batch), stats, alloc=arena))
             fresh = arena.tensor if arena.changed else None
             arena.changed = False
-            conn.send(("ok", slot, arena.layout(batch), fresh))
+            conn.send(("ok", slot, arena.layout(batch), fresh, position))
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the trainer
             text = traceback.format_exc()
             try:
-                conn.send(("error", slot, exc, text))
+                conn.send(("error", slot, exc, text, None))
             except Exception:  # noqa: BLE001 - an exception that does not pickle
-                conn.send(("error", slot, None, text))
+                conn.send(("error", slot, None, text, None))
 
 
 class _Stopped(Exception):
@@ -332,9 +236,7 @@ class Batches:
     the previous one.
     """
 
-    def __init__(
-        self, source, device, *, num_workers: int = 0, prefetch: int = 2, pool: bool = False
-    ):
+    def __init__(self, source, device, *, num_workers: int = 0, prefetch: int = 2):
         if num_workers and prefetch < 1:
             raise UserError("prefetch: workers build at least one batch ahead; set it >= 1")
         self.source = source
@@ -349,10 +251,7 @@ class Batches:
         self._workers: list = []
         self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (worker, slot) -> arena
         self._active = None  # the pass in progress
-        self.pool = pool
-        self._loader = None  # the DataLoader of num_workers processes, kept between passes
-        self._items = _Items()
-        self._passes = 0
+        self._passes = 0  # a worker starts a stream afresh when a new pass asks
         self.position: dict | None = None  # a stream's position after the last batch given
 
     # -- lifecycle
@@ -371,7 +270,6 @@ class Batches:
         self._stop_workers()
 
     def _stop_workers(self) -> None:
-        self._close_loader()
         for _, conn in self._workers:
             try:
                 conn.send(None)
@@ -428,10 +326,8 @@ class Batches:
     def _run(self, tasks) -> Iterator[dict]:
         stop = threading.Event()
         self.position = tasks.start if isinstance(tasks, Stream) else None
-        ahead = bool(self.prefetch)
-        if self.num_workers and not self.pool:
-            produced, ahead = self._from_loader(tasks), False
-        elif self.num_workers:
+        ahead = bool(self.num_workers or self.prefetch)
+        if self.num_workers:
             if not self._workers:
                 self._start_workers()
             produced = self._from_workers(tasks, stop)
@@ -504,22 +400,17 @@ class Batches:
         for arena in self._arenas[: self.prefetch + 1]:
             free.put(arena)
         if isinstance(tasks, Stream):
-            current: list[Arena] = []
-
-            def alloc(shape, dtype):
-                return current[-1](shape, dtype)
-
-            start = (tasks.start or {}).get("streams", {}).get(0)
-            stream = self.source.stream(tasks.spec, 0, 1, alloc, start)
-            for taken in range((tasks.start or {}).get("taken", 0), tasks.steps):
-                arena = self._wait(free, stop)
+            current, start = [None], tasks.start or {"streams": {}, "taken": 0}
+            alloc = lambda shape, dtype: current[0](shape, dtype)  # noqa: E731
+            stream = self.source.stream(tasks.spec, 0, 1, alloc, start["streams"].get(0))
+            for taken in range(start["taken"] + 1, tasks.steps + 1):
+                current[0] = arena = self._wait(free, stop)
                 arena.reset()
-                current.append(arena)
                 got = next(stream, None)
                 if got is None:
                     return
                 batch = self._finished(arena.adopt(got[0]), arena)
-                position = {"streams": {0: got[1]}, "next": 0, "taken": taken + 1}
+                position = {"streams": {0: got[1]}, "active": [0], "turn": taken, "taken": taken}
                 yield self._handoff(batch, lambda a=arena: free.put(a), position)
             return
         for kind, index in tasks:
@@ -549,33 +440,58 @@ class Batches:
             pending[w].append(slot)
             return True
 
-        def receive(w: int):
-            status, slot, layout = self._receive(w, pending[w])
+        def receive(w: int, stream: dict | None = None):
+            status, slot, layout, position = self._receive(w, pending[w])
             if status != "ok":
                 free[w].put(slot)
                 return None
             batch = from_layout(self._buffers[(w, slot)], layout)
-            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s))[:2] + (None,)
+            if stream is not None:  # where the whole stream stands once this is consumed
+                stream["streams"][w] = position
+                position = {
+                    **stream,
+                    "streams": dict(stream["streams"]),
+                    "active": [*stream["active"]],
+                }
+            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s), position)
 
         try:
             if isinstance(tasks, Stream):
-                active = list(range(workers))
-                taken = turn = 0
-                while active and taken < tasks.steps:
+                self._passes += 1
+                start = tasks.start or {}
+                state = {
+                    "streams": dict(start.get("streams", {})),
+                    "active": list(start.get("active", range(workers))),
+                    "turn": start.get("turn", 0),
+                    "taken": start.get("taken", 0),
+                }
+                first = dict(state["streams"])  # each worker's start, sent with its first ask
+
+                def ask(w: int, block: bool = False) -> bool:
+                    task = (self._passes, tasks.spec, first.pop(w, None))
+                    if send(w, "next", task, block):
+                        return True
+                    first.setdefault(w, task[2])  # not sent: kept for the next ask
+                    return False
+
+                while state["active"] and state["taken"] < tasks.steps:
+                    active = state["active"]
                     for w in active:
-                        while send(w, "next", tasks.spec):
+                        while ask(w):
                             pass
-                    w = active[turn % len(active)]
+                    w = active[state["turn"] % len(active)]
                     if not pending[w]:  # every slot of w is with the consumer
-                        send(w, "next", tasks.spec, block=True)
-                    item = receive(w)
+                        ask(w, block=True)
+                    state["turn"] += 1
+                    state["taken"] += 1
+                    item = receive(w, state)
                     if item is None:  # this worker's stream is done
+                        state["turn"] -= 1
+                        state["taken"] -= 1
                         while pending[w]:
                             receive(w)
                         active.remove(w)
                         continue
-                    turn += 1
-                    taken += 1
                     yield item
                 return
             tasks = list(tasks)
@@ -600,75 +516,7 @@ class Batches:
                     except DataWorkerError:
                         break
 
-    def _from_loader(self, tasks) -> Iterator[tuple[dict, object, object]]:
-        """Batches built by the DataLoader's ``num_workers`` processes: task ``i`` by worker
-        ``i % W``, in order; a stream: the next batch of each of its W streams in turn,
-        skipping streams that ended (from ``Stream.start``: its streams' positions and
-        the stream whose turn it is)."""
-        if self._loader is None:
-            self._loader = torch.utils.data.DataLoader(
-                _Builds(self.source, self.stats, self._finish_on_host),
-                batch_size=None,
-                sampler=self._items,
-                num_workers=self.num_workers,
-                collate_fn=_as_is,
-                pin_memory=self.device.type == "cuda",
-                prefetch_factor=self.prefetch,
-                persistent_workers=True,
-                multiprocessing_context=WORKER_CONTEXT,
-                worker_init_fn=_one_thread,
-            )
-        workers, stream = self.num_workers, isinstance(tasks, Stream)
-        start = (tasks.start or {}) if stream else {}
-        states = dict(start.get("streams", {}))
-        offset, taken = start.get("next", 0), start.get("taken", 0)
-        self._passes += 1
-        if stream:
-            spec, passes = tasks.spec, self._passes
-
-            def items():
-                for i in itertools.count():
-                    first = states.get((i + offset) % workers) if i < workers else None
-                    yield ("next", spec, passes, offset, first)
-
-            self._items.items = items
-        else:
-            self._items.items = lambda: (("build", kind, index) for kind, index in tasks)
-        try:
-            got = iter(self._loader)
-            ended: set[int] = set()
-            while not stream or (taken < tasks.steps and len(ended) < workers):
-                item = next(got, None)
-                if item is None:
-                    return
-                if item[0] == "error":
-                    if item[1] is not None:
-                        raise item[1]
-                    raise DataWorkerError(f"a data worker failed:\n{item[2]}")
-                if item[0] == "end":
-                    ended.add(item[1])
-                    continue
-                _, w, batch, position = item
-                if stream:
-                    states[w] = position
-                    taken += 1
-                    position = {"streams": dict(states), "next": (w + 1) % workers, "taken": taken}
-                yield batch, None, position
-        except RuntimeError as err:
-            if "DataLoader worker" not in str(err):
-                raise
-            self._close_loader()  # the next pass starts new workers
-            raise DataWorkerError(
-                f"a data worker exited unexpectedly ({' '.join(str(err).split())[:120]}; "
-                "killed for memory?); lower train.num_workers or train.prefetch"
-            ) from None
-
-    def _close_loader(self) -> None:
-        if self._loader is not None and self._loader._iterator is not None:
-            self._loader._iterator._shutdown_workers()
-        self._loader = None
-
-    def _receive(self, w: int, pending: deque) -> tuple[str, int, dict | None]:
+    def _receive(self, w: int, pending: deque) -> tuple[str, int, dict | None, object]:
         """The next answer of worker ``w`` (to the oldest request in ``pending``); keeps
         the worker's new arena buffer; raises what the worker raised."""
         process, conn = self._workers[w]
@@ -676,7 +524,7 @@ class Batches:
             while not conn.poll(POLL_SECONDS):
                 if not process.is_alive():
                     raise EOFError
-            status, slot, layout, extra = conn.recv()
+            status, slot, layout, extra, position = conn.recv()
         except (EOFError, OSError):
             process.join(timeout=5)
             code = process.exitcode
@@ -696,7 +544,7 @@ class Batches:
             raise DataWorkerError(f"data worker {w} failed:\n{extra}") from (
                 layout if isinstance(layout, BaseException) else None
             )
-        return status, slot, layout
+        return status, slot, layout, position
 
     def _in_thread(self, produced: Iterator, stop: threading.Event) -> Iterator:
         """``produced`` run by a thread, a few items ahead of the consumer."""
