@@ -646,3 +646,33 @@ def test_same_inputs_same_bytes_and_a_killed_run_resumes_exactly(demo, trained, 
         train_detector(
             data, root / "images", cfg.model_copy(update={"lr": 0.5}), killed, resume=True, **QUIET
         )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickled code"])
+def test_resume_from_a_damaged_last_pt_is_one_line(demo, trained, tmp_path, damage):
+    """The detector reads ``last.pt`` as `vse evaluate` reads checkpoints: plain data only
+    (pickled code is never run), anything else one line naming the file."""
+    import shutil
+
+    root, _, data = demo
+    out = tmp_path / "out"
+    shutil.copytree(trained[0], out)
+    last = out / "last.pt"
+    if damage == "truncated":
+        last.write_bytes(last.read_bytes()[:4096])
+    else:
+        torch.save({"x": _Mkdir(tmp_path / "ran")}, last)
+    with pytest.raises(DetectorTrainingError) as err:
+        train_detector(data, root / "images", TINY, out, resume=True, **QUIET)
+    assert "\n" not in str(err.value) and str(last) in str(err.value)
+    assert "without --resume" in str(err.value) and not (tmp_path / "ran").exists()
+
+
+class _Mkdir:
+    """Pickled, its loading would run ``os.mkdir(path)``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
