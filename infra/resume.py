@@ -74,15 +74,20 @@ def restore_training(
     scheduler,
     device: torch.device,
     error: type[UserError] = UserError,
+    needs: tuple[str, ...] = ("epoch", "history"),
+    loaded: dict | None = None,
 ) -> dict:
-    """Load ``path`` (:func:`read_checkpoint`), check that it was trained with the same
+    """Load ``path`` (:func:`read_checkpoint`; besides :func:`training_state`'s keys it
+    must hold ``needs``, the run's own fields; ``loaded``: what the caller already read
+    from it), check that it was trained with the same
     ``identity`` (model, config, data; one line naming what differs, else ``error``),
     restore what :func:`training_state` saved and return the checkpoint (its epoch,
     history and other fields). Loaded onto the CPU: the RNG states must stay there (torch
     refuses a state on the GPU), and the model and optimizer copy theirs to ``device``."""
     hint = "delete it or train without --resume"
-    needs = ("state_dict", "optimizer", "scheduler", "rng", "epoch", "history")
-    ckpt = read_checkpoint(path, error, hint, needs)
+    ckpt = read_checkpoint(
+        path, error, hint, ("state_dict", "optimizer", "scheduler", "rng", *needs)
+    )
     for key, value in identity.items():
         if ckpt.get(key) != value:
             raise error(f"{path}: was trained with another {key}; {hint}")

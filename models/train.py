@@ -191,6 +191,13 @@ def train(
     if prepare_model is not None:
         prepare_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
+    saved = None
+    if resume and last_path.exists():
+        hint = "delete it or train without --resume"
+        needs = ("state_dict", "optimizer", "scheduler", "rng", "epoch", "history")
+        saved = read_checkpoint(last_path, TrainingError, hint, needs)
+        cfg = _elastic(cfg, saved, world, train_data, last_path, log)
     steps_per_epoch = _steps(epoch_tasks(train_data, cfg, 0, rank, world))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -198,16 +205,15 @@ def train(
     )
     history: list[dict] = []
     best_rsum, start, within = -math.inf, 0, None
-    last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
 
     identity = {
         "model": name,
         "config": model_config.model_dump(),
         "info": train_data.info.to_dict(),
     }
-    if resume and last_path.exists():
+    if saved is not None:
         ckpt = restore_training(
-            last_path, identity, model, optimizer, scheduler, device, TrainingError
+            last_path, identity, model, optimizer, scheduler, device, TrainingError, loaded=saved
         )
         history, best_rsum, start = ckpt["history"], ckpt["best_rsum"], ckpt["epoch"] + 1
         within = ckpt.get("within")
@@ -230,6 +236,7 @@ def train(
                 "history": history,
                 "best_rsum": best_rsum,
                 "within": step_state,
+                "global_batch": cfg.batch_size * world,
             },
             last_path,
         )
@@ -289,6 +296,22 @@ def train(
         batches.close()
         val_batches.close()
     return {"history": history, "best_rsum": best_rsum, "model": model}
+
+
+def _elastic(cfg: TrainConfig, saved: dict, world: int, data, path: Path, log) -> TrainConfig:
+    """``cfg`` for resuming ``saved`` on ``world`` ranks: the global batch it was trained
+    with stays, re-split over the ranks (``batch_size`` per rank), so that the epochs'
+    global batches, and the steps, are the same as on the ranks that wrote it."""
+    total = saved.get("global_batch")
+    if not total or total == cfg.batch_size * world or hasattr(data, "epoch_stream"):
+        return cfg
+    if total % world:
+        raise TrainingError(
+            f"{path}: trained with a global batch of {total}, which {world} ranks cannot "
+            "split evenly; resume on a number of ranks that divides it"
+        )
+    log(f"resuming on {world} ranks: global batch {total} = {world} x {total // world}")
+    return cfg.model_copy(update={"batch_size": total // world})
 
 
 def _check_within(within: dict, path: Path, world: int, data, cfg: TrainConfig) -> dict:

@@ -30,7 +30,8 @@ def test_resume_restores_the_random_streams(tmp_path, device):
     want = [torch.rand(8), torch.rand(8, device=device)]  # what comes after the saved state
     torch.manual_seed(2)  # a new process seeds its streams afresh
     torch.rand(3, device=device)
-    restore_training(tmp_path / "last.pt", {"model": "m"}, model, optimizer, scheduler, device)
+    last = tmp_path / "last.pt"
+    restore_training(last, {"model": "m"}, model, optimizer, scheduler, device, needs=())
     got = [torch.rand(8), torch.rand(8, device=device)]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

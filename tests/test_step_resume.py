@@ -3,8 +3,11 @@
 shards, built in the loop or by 2 worker processes, and ends with weights bitwise equal
 to an uninterrupted run; the resumed run reads none of the batches before the step."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -256,3 +259,42 @@ def read_all(packed) -> list:
     root, _ = packed
     names = sorted(p.name for p in (root / "out").glob("train-*.tar"))
     return [g for n in names for g in features.shards.reader.read_groups(str(root / "out" / n))]
+
+
+def _launch(repo_root, out, world: int, batch: int, stop: int, port: int, resume: bool):
+    job = [str(repo_root / "tests" / "ddp_elastic_job.py"), str(out), str(batch), str(stop)]
+    job += ["--resume"] if resume else []
+    run = [sys.executable, *job]
+    if world > 1:
+        run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
+        run += ["--master_addr", "127.0.0.1", "--master_port", str(port), *job]
+    env = {**os.environ, "PYTHONPATH": f"{repo_root}:{repo_root / 'tests'}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 75, 1), done.stdout + done.stderr  # 1: torchrun's, for 75
+    return done
+
+
+def _consumed(out, name: str, world: int) -> list[int]:
+    """The global sequence of caption positions: step by step, rank by rank."""
+    ranks = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(world)]
+    return [c for step in zip(*ranks, strict=True) for part in step for c in part]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_ddp_run_resumes_on_another_number_of_ranks(tmp_path, repo_root, before, after):
+    """Checkpointed mid-epoch under DDP (gloo) on ``before`` ranks, resumed on ``after``:
+    the same global batch (8), and from the resume point the same global sequence of
+    samples as the uninterrupted run on ``before`` ranks."""
+    port = 29541 + before
+    reference, split = tmp_path / "reference", tmp_path / "split"
+    _launch(repo_root, reference, before, 8 // before, 0, port, False)
+    full = _consumed(reference, "first", before)
+    stopped = _launch(repo_root, split, before, 8 // before, 3, port, False)
+    assert (split / "model" / "last.pt").exists(), stopped.stdout + stopped.stderr
+    ckpt = torch.load(split / "model" / "last.pt", weights_only=True)
+    assert ckpt["within"]["step"] == 3 and ckpt["global_batch"] == 8
+    given = _consumed(split, "first", before)
+    resumed = _launch(repo_root, split, after, 8 // before, 0, port, True)
+    assert f"global batch 8 = {after} x {8 // after}" in resumed.stdout + resumed.stderr
+    rest = _consumed(split, "resumed", after)
+    assert given == full[: 3 * 8] and rest == full[3 * 8 :]
