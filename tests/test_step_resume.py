@@ -298,3 +298,22 @@ def test_a_ddp_run_resumes_on_another_number_of_ranks(tmp_path, repo_root, befor
     assert f"global batch 8 = {after} x {8 // after}" in resumed.stdout + resumed.stderr
     rest = _consumed(split, "resumed", after)
     assert given == full[: 3 * 8] and rest == full[3 * 8 :]
+
+
+def test_a_rerun_flow_resumes_only_from_a_compatible_last_pt(packed, tmp_path):
+    """``train-<model>`` passes a preempted run's last.pt on (VSE_TRAIN_RESUME_FROM) only
+    when it is this model's, trained with the same params, and readable as plain data."""
+    from flows.deploy import resumable
+
+    cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 5})
+    with pytest.MonkeyPatch.context() as patch:
+        signal_at(patch, 6)
+        with pytest.raises(Preempted):
+            run(packed, "vsepp", cfg, tmp_path / "run")
+    last, config = tmp_path / "run" / "last.pt", MODELS["vsepp"].model_dump()
+    assert resumable(last, "vsepp", config)
+    assert not resumable(last, "vsepp", {**config, "margin": 0.3})
+    assert not resumable(last, "mvvse", config)
+    assert not resumable(tmp_path / "missing.pt", "vsepp", config)
+    last.write_bytes(last.read_bytes()[:1000])
+    assert not resumable(last, "vsepp", config)

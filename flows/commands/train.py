@@ -3,6 +3,8 @@ and the store arguments that ``vse evaluate`` shares."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -56,6 +58,12 @@ def run_train(args, params) -> int:
     from models.train import train_stage
 
     start = time.perf_counter()
+    resume, aside = args.resume, os.environ.get("VSE_TRAIN_RESUME_FROM")
+    if not resume and aside and Path(aside).is_file():  # a rerun flow of a preempted run
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(aside, Path(args.out) / "last.pt")  # dvc repro removed the outputs
+        print(f"train {args.model}: resuming the preempted run ({aside})")
+        resume = True
     result = train_stage(
         args.model,
         getattr(params.models, args.model),
@@ -65,7 +73,7 @@ def run_train(args, params) -> int:
         Path(args.out),
         Path(args.metrics),
         Path(args.plots),
-        resume=args.resume,
+        resume=resume,
     )
     print(
         f"train {args.model}: best val rsum {result['best_rsum']:.1f} after "
