@@ -151,8 +151,8 @@ def test_resume_of_the_shards_reads_no_group_consumed_before_the_step(
     original_read = features.shards.reader.read_groups
     decoded: list[set] = []
 
-    def recording(url, storage_options=None, keep=None):
-        for group in original_read(url, storage_options, keep):
+    def recording(url, recorded, storage_options=None, keep=None):
+        for group in original_read(url, recorded, storage_options, keep):
             if group is not None:
                 decoded.append(set(group.meta["index"]))
             yield group
@@ -258,7 +258,8 @@ def read_all(packed) -> list:
     """Every train group of the shards (what a replayed skip would decode)."""
     root, _ = packed
     names = sorted(p.name for p in (root / "out").glob("train-*.tar"))
-    return [g for n in names for g in features.shards.reader.read_groups(str(root / "out" / n))]
+    read = features.shards.reader.read_groups
+    return [g for n in names for g in read(str(root / "out" / n), None)]
 
 
 def _launch(repo_root, out, world: int, batch: int, stop: int, port: int, resume: bool):
