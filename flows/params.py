@@ -47,13 +47,13 @@ def section_class(name: str) -> type[Section]:
     if name == "models":
         registry = importlib.import_module(MODELS)
         model_class = registry.model_class
-        fields: dict[str, Any] = {
+        every = {m: registry.model_store(m) for m in registry.MODEL_NAMES}
+        enabled = Annotated[dict[str, str], AfterValidator(registry.check_enabled)]
+        fields: dict[str, Any] = {"enabled": (enabled, Field(default_factory=lambda: dict(every)))}
+        fields |= {
             m: (model_class(m).Config, Field(default_factory=model_class(m).Config))
             for m in registry.MODEL_NAMES
         }
-        every = {m: registry.model_store(m) for m in registry.MODEL_NAMES}
-        enabled = Annotated[dict[str, str], AfterValidator(registry.check_enabled)]
-        fields["enabled"] = (enabled, Field(default_factory=lambda: dict(every)))
         return create_model("ModelsConfig", __base__=Section, **fields)
     module, _, cls = sections()[name].partition(":")
     return getattr(importlib.import_module(module), cls)
