@@ -98,7 +98,7 @@ def _cached(spec: str) -> bool:
     return True
 
 
-def _text_model_local(name: str) -> bool:
+def text_model_local(name: str) -> bool:
     from features.text.models import TextModelError, resolve_model
 
     try:
@@ -192,7 +192,7 @@ def real_params(plan: Plan) -> dict:
             "gives meaningless regions"
         )
     text = params["text"]["model"]
-    if not _text_model_local(text):
+    if not text_model_local(text):
         choose(
             "text.model",
             TEXT_FALLBACK,
