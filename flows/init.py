@@ -55,6 +55,8 @@ class Plan:
     prepare_format: str
     boxes: bool
     labels: bool
+    box_files: list[str] = field(default_factory=list)  # --boxes coco|vg FILE [FILE]
+    box_kind: str | None = None
     models: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -108,18 +110,34 @@ def text_model_local(name: str) -> bool:
     return True
 
 
-def plan_for(dataset: str, annotations: Path, images: Path) -> Plan:
-    """What the data holds and what follows from it (models, stages, weights)."""
+BOX_FLAGS = {"coco": ("--coco", "--coco-val"), "vg": ("--vg-objects", "--vg-attributes")}
+
+
+def plan_for(dataset: str, annotations: Path, images: Path, boxes: list[str] | None = None) -> Plan:
+    """What the data holds and what follows from it (models, stages, weights); ``boxes``:
+    ``[coco|vg, FILE, (FILE)]``, the detector's boxes from COCO instances (train, val) or
+    Visual Genome (objects, attributes) rather than from the annotations."""
     from models.registry import MODEL_NAMES, model_store
 
     if dataset not in PROTOCOLS:
         raise UserError(f"--dataset {dataset}: not one of {', '.join(PROTOCOLS)}")
     if not images.is_dir():
         raise UserError(f"{images}: not a folder; --images is the images root")
-    fmt, boxes, labels = inspect_annotations(dataset, annotations)
+    fmt, has_boxes, labels = inspect_annotations(dataset, annotations)
     if fmt == "flickr8k":
         annotations = annotations if annotations.is_dir() else annotations.parent
-    plan = Plan(dataset, str(annotations), str(images), fmt, boxes, labels)
+    plan = Plan(dataset, str(annotations), str(images), fmt, has_boxes, labels)
+    if boxes:
+        kind, *files = boxes
+        if kind not in BOX_FLAGS or not 1 <= len(files) <= 2:
+            raise UserError(
+                f"--boxes {' '.join(boxes)}: give coco INSTANCES [VAL_INSTANCES] or vg "
+                "OBJECTS [ATTRIBUTES]"
+            )
+        for f in map(Path, files):
+            if not f.is_file():
+                raise UserError(f"--boxes: {f}: no such file")
+        plan.box_kind, plan.box_files, plan.boxes = kind, files, True
     plan.models = {m: model_store(m) for m in MODEL_NAMES if m != "huse" or labels}
     return plan
 
@@ -250,6 +268,13 @@ def real_dag(template: str, plan: Plan) -> tuple[str, list[str]]:
             var["dataset"]["annotations"] = plan.annotations
             var["dataset"]["images"] = plan.images
     dropped = _apply_rules(dag["stages"], plan)
+    if plan.box_kind:  # the detector reads the box files, not the manifest's boxes
+        detector = dag["stages"]["detector"]
+        flags = BOX_FLAGS[plan.box_kind]
+        given = " ".join(f"{flag} {f}" for flag, f in zip(flags, plan.box_files, strict=False))
+        detector["cmd"] = str(detector["cmd"]).replace("--manifest ${paths.manifest}", given)
+        deps = detector["deps"]
+        deps[deps.index("${paths.manifest}") : deps.index("${paths.manifest}") + 1] = plan.box_files
     used = io.StringIO()
     rt.dump({"stages": dag["stages"], "plots": dag.get("plots")}, used)
     for var in dag["vars"]:
@@ -286,10 +311,13 @@ def relative(path: Path, root: Path) -> str:
         return os.fspath(path)
 
 
-def init(dataset: str, annotations: Path, images: Path, root: Path) -> list[str]:
+def init(
+    dataset: str, annotations: Path, images: Path, root: Path, boxes: list[str] | None = None
+) -> list[str]:
     """Write ``root/params.yaml`` and ``root/dvc.yaml`` for the dataset; the lines that
     say what was chosen and why."""
-    plan = plan_for(dataset, annotations, images)
+    plan = plan_for(dataset, annotations, images, boxes)
+    plan.box_files = [relative(Path(f), root) for f in plan.box_files]
     plan.annotations = relative(Path(plan.annotations), root)
     plan.images = relative(images, root)
     params = real_params(plan)

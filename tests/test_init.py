@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import run
 
-from flows.init import text_model_local, init
+from flows.init import init, text_model_local
 from flows.params import params_model
 
 PHOTOS = Path(__file__).parent / "data/photos"  # CC BY 2.0, see ATTRIBUTION.md
@@ -218,3 +218,17 @@ def test_the_generated_dag_runs_end_to_end_on_real_photos(project):
     assert all(f"| {m} |" in report for m in ("vsepp", "mvvse", "camera", "univse"))
     assert "| huse |" not in report and "Folds rsum" not in report
     assert json.loads((project / "metrics/regions.json").read_text())
+
+
+def test_boxes_from_coco_instances_train_the_detector(root):
+    instances = root / "instances_train2017.json"
+    instances.write_text(json.dumps({"images": [], "annotations": [], "categories": []}))
+    annotations = karpathy_json(root / "raw")
+    init("coco", annotations, root / "raw/images", root, ["coco", str(instances)])
+    from ruamel.yaml import YAML
+
+    detector = YAML(typ="safe").load((root / "dvc.yaml").read_text())["stages"]["detector"]
+    assert "--coco instances_train2017.json" in detector["cmd"]
+    assert "--manifest" not in detector["cmd"]
+    assert "instances_train2017.json" in detector["deps"]
+    assert "${paths.manifest}" not in detector["deps"]

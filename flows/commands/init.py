@@ -18,13 +18,20 @@ def arguments(p) -> None:
         "(Flickr8k.token.txt and the Flickr_8k.*Images.txt split lists)",
     )
     p.add_argument("--images", required=True, type=Path, help="the images root folder")
+    p.add_argument(
+        "--boxes",
+        nargs="+",
+        metavar="KIND FILE",
+        help="boxes to train the detector stage on: coco INSTANCES.json [VAL.json] or vg "
+        "objects.json [attributes.json] (else the annotations' own boxes, if any)",
+    )
     p.add_argument("--root", type=Path, default=Path("."), help="the repository (default: .)")
 
 
 def run(args, params) -> int:
     from flows.init import init
 
-    for line in init(args.dataset, args.annotations, args.images, args.root):
+    for line in init(args.dataset, args.annotations, args.images, args.root, args.boxes):
         print(f"vse init: {line}")
     print("vse init: wrote params.yaml and dvc.yaml; next: dvc repro")
     return 0
