@@ -40,7 +40,7 @@ class EvaluateConfig(Section):
 
     split: Literal["val", "test"] = "test"
     # COCO 1K: folds of this many images (when >= 2 fit); null: the whole split only
-    fold_size: PositiveInt | None = COCO_1K
+    fold_size: int | None = Field(COCO_1K, ge=1)
     batch_size: PositiveInt = 256
     device: Device = "auto"
     num_workers: int = Field(0, ge=0, le=64)  # batch-building processes (0: a thread)
