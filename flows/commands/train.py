@@ -65,7 +65,7 @@ def run_train(args, params) -> int:
     result = train_stage(
         args.model,
         getattr(params.models, args.model),
-        params.train,
+        params.train.for_model(args.model),
         params.sbert,
         feature_paths(args),
         Path(args.out),
