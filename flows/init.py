@@ -67,11 +67,12 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-# stage of the demo's dvc.yaml -> whether the generated DAG keeps it (unlisted: kept).
-# A stage that only HUSE reads is one line: "graph_rise": lambda plan: "huse" in plan.models
+# stage of the demo's dvc.yaml -> whether the generated DAG keeps it (unlisted: kept; a
+# rule for a stage the DAG does not have is ignored)
 STAGE_RULES: dict[str, Callable[[Plan], bool]] = {
     "demo-data": lambda plan: False,  # the demo's synthetic images
     "detector": lambda plan: plan.boxes,  # trains on the dataset's boxes
+    "graph_rise": lambda plan: "huse" in plan.models,  # HUSE's image input (issue 26)
 }
 
 
