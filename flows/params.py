@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, ValidationError, create_model
+from pydantic import AfterValidator, Field, ValidationError, create_model
 
 from infra.config import ConfigError, Section, format_errors
 
@@ -42,11 +42,15 @@ def sections() -> dict[str, str]:
 
 
 def section_class(name: str) -> type[Section]:
-    """The typed model of section ``name``; ``models`` holds one section per model."""
+    """The typed model of section ``name``; ``models`` holds one section per model and
+    ``enabled``, the models of the DAG (model -> the image store it reads)."""
     if name == "models":
         registry = importlib.import_module(MODELS)
         model_class = registry.model_class
-        fields = {
+        every = {m: registry.model_store(m) for m in registry.MODEL_NAMES}
+        enabled = Annotated[dict[str, str], AfterValidator(registry.check_enabled)]
+        fields: dict[str, Any] = {"enabled": (enabled, Field(default_factory=lambda: dict(every)))}
+        fields |= {
             m: (model_class(m).Config, Field(default_factory=model_class(m).Config))
             for m in registry.MODEL_NAMES
         }
@@ -57,10 +61,12 @@ def section_class(name: str) -> type[Section]:
 
 def section_module(key: str) -> str:
     """The module that defines the section of params key ``key``: ``text`` ->
-    ``features.text``, ``models.vsepp`` -> ``models.vsepp`` (each model's own file)."""
+    ``features.text``, ``models.vsepp`` -> ``models.vsepp`` (each model's own file),
+    ``models.enabled`` -> the registry."""
     name, _, sub = key.partition(".")
     if name == "models":
-        return importlib.import_module(MODELS).model_module(sub) if sub else MODELS
+        registry = importlib.import_module(MODELS)
+        return registry.model_module(sub) if sub in registry.MODELS else MODELS
     return sections()[name].partition(":")[0]
 
 

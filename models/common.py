@@ -5,6 +5,8 @@ growing this module into a base class.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pydantic import (
     Field,
@@ -12,6 +14,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationError,
     model_validator,
 )
 from torch import nn
@@ -53,12 +56,31 @@ class TrainConfig(Section):
     # every this many minutes (0: never); SIGTERM/SIGINT always write it (exit status 75)
     checkpoint_every_steps: NonNegativeInt = 0
     checkpoint_every_minutes: NonNegativeFloat = 0.0
+    # a model's own loop settings over the ones above, e.g. {camera: {lr: 1.0e-4}}: the
+    # papers train with different schedules (vse init writes them)
+    per_model: dict[str, dict[str, Any]] = {}
 
     @model_validator(mode="after")
     def _workers_prefetch(self) -> TrainConfig:
         if self.num_workers and not self.prefetch:
             raise ValueError("workers build at least one batch ahead: prefetch >= 1")
+        fields = set(type(self).model_fields) - {"per_model"}
+        for name, override in self.per_model.items():
+            unknown = sorted(set(override) - fields)
+            if unknown:
+                raise ValueError(f"per_model.{name}: {', '.join(unknown)}: not a train setting")
+            try:
+                self.for_model(name)
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(map(str, first["loc"]))
+                raise ValueError(f"per_model.{name}.{where}: {first['msg']}") from None
         return self
+
+    def for_model(self, name: str) -> TrainConfig:
+        """These settings with ``per_model[name]`` over them (validated)."""
+        base = self.model_dump(exclude={"per_model"})
+        return type(self).model_validate(base | self.per_model.get(name, {}))
 
 
 def full_precision(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

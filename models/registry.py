@@ -19,6 +19,10 @@ MODELS = {
     "univse": "models.univse:UniVSE",
 }
 MODEL_NAMES = tuple(MODELS)
+# batch key -> the image stores that may hold it, the default first (dvc.yaml passes the
+# store as --<store>): a global vector is the grid's pooled PCA or Graph-RISE's embedding
+STORES = {"image": ("global", "graph_rise"), "regions": ("regions",), "grid": ("grid",)}
+DEFAULT_STORES = {"huse": "graph_rise"}  # HUSE reads the Graph-RISE embedding (issue 26)
 
 
 def model_module(name: str) -> str:
@@ -41,3 +45,29 @@ def model_inputs(name: str, cfg: Section) -> frozenset[str]:
     if hasattr(cls, "inputs_for"):
         return frozenset(cls.inputs_for(cfg))
     return frozenset(cls.inputs)
+
+
+def model_stores(name: str) -> tuple[str, ...]:
+    """The image stores model ``name`` can read (``global``, ``graph_rise``, ``regions`` or
+    ``grid``)."""
+    (stores,) = {STORES[key] for key in model_class(name).inputs if key in STORES}
+    return stores
+
+
+def model_store(name: str) -> str:
+    """The image store model ``name`` reads by default."""
+    return DEFAULT_STORES.get(name) or model_stores(name)[0]
+
+
+def check_enabled(enabled: dict[str, str]) -> dict[str, str]:
+    """``models.enabled`` of params.yaml: the models the DAG trains, evaluates and reports
+    (``train@``, ``evaluate@``, ``report``), each with the image store it reads."""
+    if not enabled:
+        raise ValueError(f"no model enabled; name at least one of {', '.join(MODEL_NAMES)}")
+    for name, store in enabled.items():
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+        if store not in model_stores(name):
+            known = " or ".join(model_stores(name))
+            raise ValueError(f"{name} reads the {known} store, not {store!r}")
+    return enabled

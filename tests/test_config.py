@@ -209,3 +209,23 @@ def test_nonsense_values_from_the_issue_are_refused(tmp_path):
         load_text(tmp_path, "shards:\n  samples_per_shard: 0\n")
     with pytest.raises(ConfigError, match="demo: .*min_objects .* max_objects"):
         load_text(tmp_path, "demo:\n  min_objects: 4\n  max_objects: 3\n")
+
+
+def test_a_models_own_train_settings_override_the_shared_ones(tmp_path):
+    """train.per_model: CAMERA's 1e-4 over the shared 2e-4, the others untouched; a key
+    that is no train setting, or a bad value, is an error naming it."""
+    from flows.params import load_params
+    from infra.config import ConfigError
+
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  lr: 2.0e-4\n  per_model:\n    camera: {lr: 1.0e-4, epochs: 40}\n")
+    train = load_params(path).train
+    assert (train.for_model("camera").lr, train.for_model("camera").epochs) == (1e-4, 40)
+    assert (train.for_model("vsepp").lr, train.for_model("vsepp").epochs) == (2e-4, 30)
+    for bad, message in (
+        ("{lrr: 1}", "per_model.camera: lrr: not a train setting"),
+        ("{lr: -1}", "per_model.camera.lr: Input should be greater than 0"),
+    ):
+        path.write_text(f"train:\n  per_model:\n    camera: {bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_params(path)

@@ -140,3 +140,66 @@ def test_the_readme_shows_the_current_dag():
     ).stdout.strip()
     readme = (REPO / "README.md").read_text()
     assert f"```mermaid\n{mermaid}\n```" in readme, "README: paste the output of dvc dag --mermaid"
+
+
+# the image store each model reads, from the papers: VSE++ and HUSE a global vector,
+# MV-VSE and CAMERA bottom-up regions, UniVSE a grid
+PAPER_STORES = {"vsepp": "global", "mvvse": "regions", "camera": "regions", "huse": "graph_rise"}
+PAPER_STORES["univse"] = "grid"
+
+
+def test_the_models_of_the_dag_are_one_list_in_params(tmp_path):
+    """Deleting HUSE's line of `models.enabled` removes it from every place: DVC's own
+    parsed stages (train@, evaluate@), the report's inputs; the others read their store."""
+    from dvc.repo import Repo
+
+    from flows.commands.report import model_files
+
+    params = (REPO / "params.yaml").read_text()
+    assert yaml.safe_load(params)["models"]["enabled"] == PAPER_STORES
+    line = "    huse: graph_rise       # or global (the grid's pooled PCA)\n"
+    assert params.count(line) == 1
+    (tmp_path / "params.yaml").write_text(params.replace(line, ""))
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    Repo.init(str(tmp_path), no_scm=True).close()
+    with Repo(str(tmp_path)) as repo:
+        stages = {s.name: s for s in repo.index.stages}
+    kept = [m for m in PAPER_STORES if m != "huse"]
+    assert sorted(n for n in stages if "@" in n) == sorted(
+        f"{stage}@{m}" for stage in ("train", "evaluate") for m in kept
+    )
+    for m in kept:
+        for stage in ("train", "evaluate"):
+            argv = shlex.split(stages[f"{stage}@{m}"].cmd)
+            store = f"data/features/{PAPER_STORES[m]}.zarr"
+            assert argv[argv.index(f"--{PAPER_STORES[m]}") + 1] == store
+            assert store in _paths(stages[f"{stage}@{m}"].deps)
+    report = shlex.split(stages["report"].cmd)
+    folders = [report[2], report[report.index("--histories") + 1]]
+    folders.append(report[report.index("--galleries") + 1])
+    for folder in folders:
+        (tmp_path / folder).mkdir(parents=True)
+        for m in PAPER_STORES:  # a stale huse.json from an earlier run is left out
+            (tmp_path / folder / f"{m}.json").write_text("{}")
+        got = model_files([str(tmp_path / folder)], kept)
+        assert got == [tmp_path / folder / f"{m}.json" for m in kept]
+        assert folder in _paths(stages["report"].deps)
+    assert "models.enabled" in stages["report"].deps[-1].params
+
+
+@pytest.mark.parametrize(
+    "enabled, message",
+    [
+        ({"vsepp": "grid"}, "vsepp reads the global or graph_rise store, not 'grid'"),
+        ({"vsep": "global"}, "unknown model 'vsep'"),
+        ({}, "no model enabled"),
+    ],
+)
+def test_models_enabled_is_checked(tmp_path, enabled, message):
+    from flows.params import load_params
+    from infra.config import ConfigError
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"models": {"enabled": enabled}}))
+    with pytest.raises(ConfigError, match="models.enabled") as err:
+        load_params(tmp_path / "params.yaml")
+    assert message in str(err.value)

@@ -3,6 +3,7 @@ similarities and naive loops on random ones; non-finite embeddings and similarit
 refused, naming the item."""
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -211,7 +212,8 @@ def test_evaluate_model_by_hand():
     whose every R@K, medr and meanr is counted by hand in the comments."""
     data, adversarial = hand_split()
     cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu")
-    report = evaluate_model(Embeddings(), data, cfg, torch.device("cpu"), adversarial)
+    with pytest.warns(UserWarning, match="evaluate.fold_size: folds of 2 images are not the COCO"):
+        report = evaluate_model(Embeddings(), data, cfg, torch.device("cpu"), adversarial)
     assert (report["split"], report["images"], report["captions"]) == ("test", 4, 8)
     assert "classification" not in report  # the model does not classify
     assert report["full"] == pytest.approx(FULL)  # counted above FULL
@@ -222,7 +224,7 @@ def test_evaluate_model_by_hand():
     folds = {"fold_size": 2, "n_folds": 2, "i2t_r1": 50.0, "i2t_r5": 100.0}
     folds |= {"i2t_r10": 100.0, "i2t_medr": 1.5, "i2t_meanr": 1.5, "t2i_r1": 75.0}
     folds |= {"t2i_r5": 100.0, "t2i_r10": 100.0, "t2i_medr": 1.0, "t2i_meanr": 1.25}
-    folds |= {"rsum": 525.0}
+    folds |= {"rsum": 525.0, "captions": 8, "left_out": 0}
     assert report["folds"] == pytest.approx(folds)
     assert type(report["folds"]["n_folds"]) is int  # a count, also in the JSON
 
@@ -244,6 +246,24 @@ def test_evaluate_model_by_hand():
     # no folds when fewer than two fit
     one = EvaluateConfig(batch_size=3, fold_size=3, device="cpu")
     assert "folds" not in evaluate_model(Embeddings(), data, one, torch.device("cpu"))
+    none = EvaluateConfig(batch_size=3, fold_size=None, device="cpu")
+    assert "folds" not in evaluate_model(Embeddings(), data, none, torch.device("cpu"))
+
+
+def test_images_after_the_last_fold_are_counted_and_1k_folds_are_not_warned():
+    """5 images in folds of 2: two folds (captions 0-7), image 4 and its 2 captions left
+    out; folds of 1000 on 2000 images raise no warning."""
+    cpu = torch.device("cpu")
+    five = Split(torch.eye(5), torch.eye(5).repeat_interleave(2, dim=0), np.arange(10) // 2)
+    with pytest.warns(UserWarning, match="not the COCO 1K protocol"):
+        report = evaluate_model(Embeddings(), five, EvaluateConfig(fold_size=2, device="cpu"), cpu)
+    assert report["folds"]["left_out"] == 1 and report["folds"]["captions"] == 8
+    img = torch.eye(2000)[:, :64] + torch.eye(2000)[:, 64:128]  # any 2000 vectors
+    coco = Split(img, img.repeat_interleave(2, dim=0), np.arange(4000) // 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = evaluate_model(Embeddings(), coco, EvaluateConfig(device="cpu"), cpu)
+    assert report["folds"]["n_folds"] == 2 and report["folds"]["left_out"] == 0
 
 
 def unit(degrees):

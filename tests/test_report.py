@@ -61,13 +61,14 @@ def full(i2t, t2i):
     return values | {"rsum": sum(i2t) + sum(t2i), "i2t_medr": 3.0, "t2i_medr": 2.0}
 
 
+LEFT = {"captions": 8, "left_out": 0}
 RESULTS = {
     "vsepp": {
         "split": "test",
         "images": 4,
         "captions": 8,
         "full": full((25.0, 75.0, 100.0), (37.5, 100.0, 100.0)),
-        "folds": {"fold_size": 2, "n_folds": 2, "rsum": 525.0, "i2t_r1": 50.0},
+        "folds": {"fold_size": 2, "n_folds": 2, "rsum": 525.0, "i2t_r1": 50.0} | LEFT,
         "adversarial": {
             "attribute": {"i2t_r1": 0.0, "i2t_r5": 75.0, "fake_captions": 2},
             "relation": {"i2t_r1": 25.0, "i2t_r5": 75.0, "fake_captions": 1},
@@ -101,7 +102,9 @@ Split `test`: 4 images, 8 captions (R@K in %, rsum = sum of the six R@K).
 | vsepp | 25.0 | 75.0 | 100.0 | 37.5 | 100.0 | 100.0 | 437.5 | 525.0 | - | 0.0 | 25.0 |
 | huse | 12.3 | 66.7 | 100.0 | 0.0 | 50.0 | 87.5 | 316.5 | - | 8.3 | - | - |
 
-Chance level (random scores): rsum 439.3.
+Chance level (random scores): rsum 439.3 on the whole split.
+Folds rsum: mean over 2 folds of 2 images (NOT the COCO 1K protocol (1000)); 0 images of \
+the split left out of the folds; chance level per fold: rsum 500.0.
 
 | model | accuracy image | text | fused | class-level R@1 i2t | t2i | i2i | t2t |
 |---|---:|---:|---:|---:|---:|---:|---:|
@@ -119,7 +122,9 @@ Reported in the papers (their data and features; for orientation only):
 
 def test_markdown_table_cell_by_cell():
     """Rows in the order of the results, each cell the value rounded to 0.1 (the chance
-    level is test_chance_rsum_by_hand's 439.29), '-' where a model has no such number."""
+    level is test_chance_rsum_by_hand's 439.29; per fold of 2 images with 2 captions
+    each, i2t R@1 1 - C(2, 1) / C(4, 1), R@5 = R@10 = 1 and t2i 1/2, 1, 1: 500), '-'
+    where a model has no such number."""
     assert markdown_table(RESULTS) == TABLE
 
 

@@ -58,9 +58,15 @@ def resnet_depth(architecture: str) -> int:
     return int(architecture.removeprefix("resnet").split("_")[0])
 
 
-def make_resnet(depth: int) -> torchvision.models.ResNet:
-    """torchvision's ResNet-``depth`` with random weights (torchvision's own init)."""
-    return getattr(torchvision.models, f"resnet{depth}")(weights=None)
+def make_resnet(depth: int, zero_init_residual: bool = False) -> torchvision.models.ResNet:
+    """torchvision's ResNet-``depth`` with random weights (torchvision's own init).
+
+    ``zero_init_residual`` (torchvision's option, Goyal et al. 2017) zeroes the last
+    BatchNorm of every residual block, so each block starts as the identity: used when a
+    model is run with no weights at all (``weights: null``), where torchvision's init makes
+    conv5 of a ResNet-152 reach ~1e8 (beyond float16) and every image non-finite."""
+    resnet = getattr(torchvision.models, f"resnet{depth}")
+    return resnet(weights=None, zero_init_residual=zero_init_residual)
 
 
 def stage_dims(depth: int) -> tuple[int, int, int, int]:
@@ -73,9 +79,9 @@ class ResNetTrunk(nn.Module):
     torchvision's names (``conv1``, ``bn1``, ``layer1``...), so a classification state
     dict loads into it as it is (``fc.*`` aside)."""
 
-    def __init__(self, depth: int, stages: int = 4):
+    def __init__(self, depth: int, stages: int = 4, zero_init_residual: bool = False):
         super().__init__()
-        resnet = make_resnet(depth)
+        resnet = make_resnet(depth, zero_init_residual)
         self.conv1, self.bn1, self.relu, self.maxpool = (
             resnet.conv1,
             resnet.bn1,
@@ -97,9 +103,9 @@ class ResNetTrunk(nn.Module):
 class C4Backbone(nn.Module):
     """Stem..res4 (stride 16): the trunk under ``backbone.body``, as torchvision names it."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, zero_init_residual: bool = False):
         super().__init__()
-        self.body = ResNetTrunk(depth, stages=3)
+        self.body = ResNetTrunk(depth, stages=3, zero_init_residual=zero_init_residual)
         self.out_channels = self.body.dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,10 +240,12 @@ def _to_bottom_up(heads: RoIHeads, attribute_head: AttributeHead | None) -> Bott
 
 
 def build_detector_model(
-    cfg: DetectorConfig, num_classes: int, num_attributes: int = 0
+    cfg: DetectorConfig, num_classes: int, num_attributes: int = 0, zero_init_residual=False
 ) -> FasterRCNN:
     """The Faster R-CNN of ``cfg.architecture`` with ``num_classes`` (background included)
-    and, if ``num_attributes``, the attribute head; random init (seeded by the caller).
+    and, if ``num_attributes``, the attribute head; random init (seeded by the caller), its
+    ResNet blocks starting as identities with ``zero_init_residual`` (see :func:`make_resnet`;
+    the torchvision-built ``resnet50_fpn*`` keep torchvision's init).
 
     Image resizing and normalisation are the caller's (:mod:`features.images`): the
     model's own transform is never used, so images go straight to ``model.backbone``.
@@ -264,14 +272,14 @@ def build_detector_model(
     else:
         depth = resnet_depth(arch)
         if arch.endswith("_c4"):
-            backbone = C4Backbone(depth)
-            head = Res5Head(make_resnet(depth).layer4)
+            backbone = C4Backbone(depth, zero_init_residual)
+            head = Res5Head(make_resnet(depth, zero_init_residual).layer4)
             dim = stage_dims(depth)[3]
             pool = MultiScaleRoIAlign(["0"], output_size=14, sampling_ratio=0)
             sizes = (tuple(cfg.anchors()),)
         else:
             fpn = BackboneWithFPN(
-                make_resnet(depth),
+                make_resnet(depth, zero_init_residual),
                 {f"layer{k}": str(k - 1) for k in range(1, 5)},
                 list(stage_dims(depth)),
                 cfg.fpn_channels,

@@ -54,7 +54,9 @@ def build_trunk(cfg: GridConfig) -> ResNetTrunk:
         )
         arch = found
     arch = arch or DEFAULT_TRUNK
-    trunk = ResNetTrunk(resnet_depth(arch))
+    # no weights: ResNet blocks start as identities (torchvision's zero_init_residual), so a
+    # random ResNet-152's conv5 stays finite in float16 (torchvision's init: ~1e8)
+    trunk = ResNetTrunk(resnet_depth(arch), zero_init_residual=obj is None)
     trunk.architecture = arch
     if obj is None:
         warn_random_init("grid", cfg.seed)

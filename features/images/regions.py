@@ -95,7 +95,11 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
         )
         num_classes = found
     spec = DetectorConfig(architecture=arch, **overrides)
-    model = build_detector_model(spec, num_classes or DEFAULT_CLASSES)
+    # no weights at all: ResNet blocks start as identities, so features stay finite at any
+    # depth (torchvision's init makes R101-C4 features overflow float16)
+    model = build_detector_model(
+        spec, num_classes or DEFAULT_CLASSES, zero_init_residual=obj is None
+    )
     model.architecture = arch
     what = f"the regions detector ({arch})"
     if obj is None:

@@ -21,7 +21,7 @@ from infra.config import Section, Seed
 class PrepareConfig(Section):
     """``prepare`` section of params.yaml."""
 
-    format: Literal["demo", "karpathy", "food101"] = "demo"
+    format: Literal["demo", "karpathy", "flickr8k", "food101"] = "demo"
     captions_per_image: int = Field(5, ge=1)
     restval: Literal["train", "keep"] = "train"
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
@@ -174,8 +174,49 @@ def read_demo(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Datas
     return dataset
 
 
+# the original Flickr8k release (Hodosh et al. 2013): captions, and one split list per split
+FLICKR8K_TOKENS = "Flickr8k.token.txt"
+FLICKR8K_SPLITS = {
+    "train": "Flickr_8k.trainImages.txt",
+    "val": "Flickr_8k.devImages.txt",
+    "test": "Flickr_8k.testImages.txt",
+}
+
+
+def read_flickr8k(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+    """The original Flickr8k text release: ``annotations`` is its folder (Flickr8k_text),
+    holding ``Flickr8k.token.txt`` (``IMAGE.jpg#N<TAB>caption`` lines) and the split lists
+    ``Flickr_8k.{train,dev,test}Images.txt`` (6000/1000/1000 images; ``dev`` is ``val``).
+    Images in no split list are not part of the dataset; a listed image without captions
+    is a record with a problem."""
+    folder = annotations if annotations.is_dir() else annotations.parent
+    captions: dict[str, list[tuple[int, str]]] = {}
+    tokens = folder / FLICKR8K_TOKENS
+    if not tokens.is_file():
+        raise IngestError(f"{folder}: no {FLICKR8K_TOKENS}; give the Flickr8k_text folder")
+    for n, line in enumerate(_read_text(tokens).splitlines(), 1):
+        if not line.strip():
+            continue
+        ref, sep, text = line.partition("\t")
+        name, hash_, index = ref.partition("#")
+        if not (sep and hash_ and index.strip().isdigit()):
+            raise IngestError(f"{tokens}:{n}: expected IMAGE.jpg#N<TAB>caption, got {line[:60]!r}")
+        captions.setdefault(name.strip(), []).append((int(index), text.strip()))
+    records = []
+    for split, list_name in FLICKR8K_SPLITS.items():
+        listed = folder / list_name
+        if not listed.is_file():
+            raise IngestError(f"{folder}: no {list_name} (the {split} split list)")
+        for name in filter(None, map(str.strip, _read_text(listed).splitlines())):
+            found = [text for _, text in sorted(captions.get(name, []))]
+            problem = None if found else f"no captions in {FLICKR8K_TOKENS}"
+            records.append(Record(Path(name).stem, name, split, found, problem=problem))
+    return Dataset("flickr8k", records)
+
+
 READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
     "karpathy": read_karpathy,
+    "flickr8k": read_flickr8k,
     "demo": read_demo,
     "food101": read_food101,
 }

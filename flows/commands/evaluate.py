@@ -65,9 +65,20 @@ def run_evaluate(args, params) -> int:
         f"{full['i2t_r1']:.1f}/{full['i2t_r5']:.1f}/{full['i2t_r10']:.1f}, t2i "
         f"{full['t2i_r1']:.1f}/{full['t2i_r5']:.1f}/{full['t2i_r10']:.1f}, rsum {full['rsum']:.1f}"
         + (f"; with adversarial captions i2t R@1: {attacked}" if attacked else "")
+        + folds_summary(report)
         + f" -> {args.out}"
     )
     return 0
+
+
+def folds_summary(report: dict) -> str:
+    folds = report.get("folds")
+    if not folds:
+        return ""
+    return (
+        f"; {folds['n_folds']} folds of {folds['fold_size']} images rsum {folds['rsum']:.1f} "
+        f"({folds['left_out']} images left out)"
+    )
 
 
 COMMANDS = [

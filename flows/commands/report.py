@@ -8,7 +8,13 @@ from flows.commands import Command, path_in, path_out
 
 
 def report_arguments(p) -> None:
-    path_in(p, "results", nargs="+", help="evaluation JSON files (vse evaluate --out)")
+    path_in(
+        p,
+        "results",
+        nargs="+",
+        help="evaluation JSON files (vse evaluate --out), or their folder: MODEL.json of "
+        "each model of models.enabled (and of --histories, --galleries)",
+    )
     path_out(p, "--out", help="markdown report to write")
     path_out(p, "--plot", help="PNG bar plot to write")
     path_in(
@@ -23,20 +29,31 @@ def report_arguments(p) -> None:
     path_out(p, "--gallery-pngs", required=False, help="folder for the gallery's PNGs")
 
 
+def model_files(paths: list[str] | None, enabled) -> list[Path]:
+    """Each path as given; a folder becomes ``FOLDER/MODEL.json`` for each model of
+    ``models.enabled`` (so dvc.yaml's report follows that list)."""
+    out: list[Path] = []
+    for path in map(Path, paths or []):
+        out += [path / f"{m}.json" for m in enabled] if path.is_dir() else [path]
+    return out
+
+
 def run_report(args, params) -> int:
     from models.report.table import write_report
 
-    histories = [Path(h) for h in args.histories or []]
+    enabled = list(params.models.enabled)
+    args.results, args.histories, args.galleries = (
+        model_files(args.results, enabled),
+        model_files(args.histories, enabled),
+        model_files(args.galleries, enabled),
+    )
+    histories = args.histories
     if histories and not args.curves:
         from infra.config import UserError
 
         raise UserError("--histories needs --curves PNG, where the training curves go")
     curves = Path(args.curves) if args.curves else None
-    print(
-        write_report(
-            [Path(r) for r in args.results], Path(args.out), Path(args.plot), histories, curves
-        )
-    )
+    print(write_report(args.results, Path(args.out), Path(args.plot), histories, curves))
     print(f"report -> {args.out}, {args.plot}" + (f", {curves}" if curves else ""))
     if args.galleries:
         from infra.config import UserError
@@ -47,7 +64,7 @@ def run_report(args, params) -> int:
         if missing:
             raise UserError(f"--galleries needs {', '.join(missing)}")
         pngs = write_galleries(
-            [Path(g) for g in args.galleries],
+            args.galleries,
             Path(args.manifest),
             Path(args.images),
             Path(args.extremes) if args.extremes else None,
@@ -66,6 +83,6 @@ COMMANDS = [
         help="one table of all models on the same split, with the papers' numbers",
         arguments=report_arguments,
         run=run_report,
-        sections=None,
+        sections=("models",),
     ),
 ]

@@ -16,6 +16,12 @@ def feature_arguments(p) -> None:
     """The stores and files a model may read; each model reads only what it needs."""
     path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
     path_in(p, "--global", dest="global_", help="global image store (vse extract global)")
+    path_in(
+        p,
+        "--graph_rise",
+        dest="global_",
+        help="... or the Graph-RISE embedding store in its place (vse train graph-rise)",
+    )
     path_in(p, "--regions", help="region store (vse extract regions)")
     path_in(p, "--grid", help="grid store (vse extract grid)")
     path_in(p, "--text", help="caption-level text store (vse extract text)")
@@ -67,7 +73,7 @@ def run_train(args, params) -> int:
     result = train_stage(
         args.model,
         getattr(params.models, args.model),
-        params.train,
+        params.train.for_model(args.model),
         params.sbert,
         feature_paths(args),
         Path(args.out),

@@ -35,6 +35,22 @@ def _fmt(values) -> str:
     return " | ".join(f"{v:.1f}" for v in values)
 
 
+def folds_note(result: dict) -> list[str]:
+    """What the folds column holds: the protocol, the images it left out and its chance
+    level (a fold of 20 images has chance rsum ~160: never read a fold rsum without it)."""
+    folds = result.get("folds")
+    if not folds:
+        return []
+    size, n = folds["fold_size"], folds["n_folds"]
+    name = "the COCO 1K protocol" if size == 1000 else "NOT the COCO 1K protocol (1000)"
+    chance = chance_rsum({"images": size, "captions": round(folds["captions"] / n)})
+    left = folds.get("left_out", result["images"] - n * size)
+    return [
+        f"Folds rsum: mean over {n} folds of {size} images ({name}); {left} images of the "
+        f"split left out of the folds; chance level per fold: rsum {chance:.1f}."
+    ]
+
+
 def markdown_table(results: dict[str, dict]) -> str:
     """One row per model: clean retrieval, rsum, COCO-1K-style folds when present,
     adversarial image-to-text R@1 per attack, classification when reported."""
@@ -61,7 +77,11 @@ def markdown_table(results: dict[str, dict]) -> str:
             f"| {name} | {_fmt(full[c] for c in COLUMNS)} | {full['rsum']:.1f} | {folds_cell} "
             f"| {adv_cells} |"
         )
-    lines += ["", f"Chance level (random scores): rsum {chance_rsum(first):.1f}."]
+    lines += [
+        "",
+        f"Chance level (random scores): rsum {chance_rsum(first):.1f} on the whole split.",
+    ]
+    lines += folds_note(first)
     classified = {n: r["classification"] for n, r in results.items() if "classification" in r}
     if classified:
         lines += [
