@@ -150,14 +150,18 @@ TRAINING_FLOWS = {
 
 
 def serve(root: str | Path = ".", limit: int = 1) -> None:
-    """Serve every flow as deployment ``<flow>/default`` until interrupted; runs start in
+    """Serve the features and pipeline flows and the training flow of each model of
+    ``models.enabled`` as deployment ``<flow>/default`` until interrupted; runs start in
     this process's environment with ``root`` (absolute) as the repository. ``limit`` runs
     at a time: DVC serialises stages on one repository anyway."""
     from prefect import serve as prefect_serve
 
+    from flows.params import load_params
+
     wait_for_server()
     root = str(Path(root).resolve())
-    flows = [features_flow, pipeline_flow, *TRAINING_FLOWS.values()]
+    enabled = load_params(Path(root) / "params.yaml").models.enabled  # the DAG's models
+    flows = [features_flow, pipeline_flow, *(TRAINING_FLOWS[m] for m in enabled)]
     deployments = [
         f.to_deployment(
             name="default",

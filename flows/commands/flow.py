@@ -68,7 +68,12 @@ def run_flow(args, params) -> int:
 
     overrides = parse_overrides(args.set)
     flows = {"features": features_flow, "pipeline": pipeline_flow}
-    flows.update({f"train-{name}": f for name, f in TRAINING_FLOWS.items()})
+    flows.update({f"train-{name}": TRAINING_FLOWS[name] for name in params.models.enabled})
+    if args.name not in flows:
+        raise UserError(
+            f"{args.name}: {args.name[len('train-') :]} is not in models.enabled of params.yaml; "
+            "add it there to train it"
+        )
     extra = {}
     if args.dask_workers or args.dask_address:
         if args.name != "features":
