@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -146,10 +147,12 @@ def butd_rows(args: argparse.Namespace) -> None:
     from PIL import Image
 
     from features.images.extract import build_image_extractor
-    from tests.butd_data import butd_state
+
+    here = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(here / "tests"))  # the test suite's BUTD checkpoint builder
+    from butd_data import butd_state
 
     torch.set_num_threads(args.threads)
-    here = Path(__file__).resolve().parent.parent
     photos = sorted((here / "tests" / "fixtures" / "photos").glob("*.jpg"))[: args.butd_images]
     w = args.butd_width
     root = Path(tempfile.mkdtemp(prefix="vse-butd-bench-"))

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # run as a script: the tests' and the project's
 
-from tests.butd_data import butd_state  # noqa: E402
+from butd_data import butd_state  # noqa: E402
 
 FIXTURES = ROOT / "fixtures" / "butd"
 PHOTOS = sorted((ROOT / "fixtures" / "photos").glob("*.jpg"))

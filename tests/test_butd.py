@@ -12,15 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
-from torchvision.ops import box_iou
-
-from features.detector.weights import WeightsError
-from features.images.butd.model import cell_anchors
-from features.images.config import RegionsConfig
-from features.images.extract import build_image_extractor
-from tests.butd_data import butd_state, to_milvlg, write_pkl
-from tests.make_butd_golden import (
+from butd_data import butd_state, to_milvlg, write_pkl
+from make_butd_golden import (
     CONFIG,
     GOLDEN,
     GOLDEN_PARAMS,
@@ -29,6 +22,13 @@ from tests.make_butd_golden import (
     extract,
     golden_checkpoint,
 )
+from PIL import Image
+from torchvision.ops import box_iou
+
+from features.detector.weights import WeightsError
+from features.images.butd.model import cell_anchors
+from features.images.config import RegionsConfig
+from features.images.extract import build_image_extractor
 
 SMALL = {"proposals": 60, "device": "cpu"}
 
