@@ -23,6 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for tiny models: faster, and steady on a busy 2-core CPU (more
+    threads only contend)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def repo_root() -> Path:
     return REPO
 

@@ -723,15 +723,6 @@ def test_prepare_reads_the_glove_file_for_the_training_vocabulary(tmp_path):
 # ---- overfit ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    # the small GRUs run much faster on one thread than on two contended ones
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_overfit_32_pairs(one_thread):
     data = TinyPairs()
     torch.manual_seed(0)

@@ -17,13 +17,7 @@ from models.vsepp import VSEPP, VSEPPConfig
 SMALL = dict(embed_size=16, word_dim=8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and steady on a busy 2-core CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- losses

@@ -37,13 +37,7 @@ CFG = TrainConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread (on a shared machine, more threads only contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
