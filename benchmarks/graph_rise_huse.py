@@ -88,18 +88,12 @@ def measure(args, work: Path) -> None:
     params = Path(args.params)
     for name, store in stores.items():
         run = work / f"huse_{name}"
+        inputs = ["--manifest", MANIFEST, "--global", store, "--text", TEXT, "--vocab", VOCAB]
         seconds = vse(
             params,
             "train",
             "huse",
-            "--manifest",
-            MANIFEST,
-            "--global",
-            store,
-            "--text",
-            TEXT,
-            "--vocab",
-            VOCAB,
+            *inputs,
             "--out",
             str(run),
             "--metrics",
@@ -113,14 +107,7 @@ def measure(args, work: Path) -> None:
             "huse",
             "--checkpoint",
             str(run / "best.pt"),
-            "--manifest",
-            MANIFEST,
-            "--global",
-            store,
-            "--text",
-            TEXT,
-            "--vocab",
-            VOCAB,
+            *inputs,
             "--out",
             str(run / "evaluate.json"),
         )
