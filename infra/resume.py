@@ -115,6 +115,14 @@ def plain(value):
     return value
 
 
+def ignore_stop_signals(*_args) -> None:
+    """In a data-loading worker process: ignore SIGTERM and SIGINT, which a queue or Ctrl-C
+    sends to the whole process group; the trainer handles them (:class:`StepCheckpoints`)
+    and ends its workers itself. (A ``worker_init_fn``: its arguments are ignored.)"""
+    for sig in StepCheckpoints.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class StepCheckpoints:
     """When a run writes ``last.pt`` within an epoch: every ``every_steps`` steps (0: never)
     and every ``every_minutes`` minutes (0: never), and after the step in progress when

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from detector_data import QUIET, TINY, make_demo
 
-from features.demo import DemoConfig, build_dataset
 from features.detector.config import DetectorConfig
 from features.detector.data import (
     DetectionDataError,
     DetectionImage,
     read_coco,
-    read_manifest_boxes,
     read_visual_genome,
 )
 from features.detector.loader import DetectionItems, attribute_targets
@@ -38,48 +37,13 @@ from features.detector.weights import WeightsError
 from features.images.config import GridConfig, RegionsConfig
 from features.images.grid import build_trunk
 from features.images.regions import RegionExtractor, build_detector
-from features.ingest.manifest import read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
-
-TINY = DetectorConfig(
-    architecture="resnet18_fpn",
-    anchor_sizes=[8, 16, 32],
-    fpn_levels=3,
-    fpn_channels=16,
-    representation_size=32,
-    class_embedding=8,
-    attribute_hidden=16,
-    min_side=64,
-    max_side=64,
-    rpn_pre_nms_train=100,
-    rpn_post_nms_train=50,
-    rpn_pre_nms_test=100,
-    rpn_post_nms_test=30,
-    rpn_batch_size=32,
-    box_batch_size=16,
-    epochs=2,
-    batch_size=4,
-    lr=0.01,
-    warmup_steps=2,
-    schedule="cosine",
-    trainable_layers=5,
-    freeze_bn=False,
-    device="cpu",
-)
-QUIET = {"log": lambda m: None}
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """A 12/4/2 demo at 64px: its folder, manifest and detection dataset."""
     root = tmp_path_factory.mktemp("demo")
-    build_dataset(DemoConfig(n_train=12, n_val=4, n_test=2, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    manifest = read_manifest(root / "manifest.parquet")
-    return root, manifest, read_manifest_boxes(manifest, TINY)
+    return root, *make_demo(root)
 
 
 @pytest.fixture(scope="module")

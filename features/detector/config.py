@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from infra.config import Section, Seed
 from infra.device import Device
@@ -88,6 +95,10 @@ class DetectorConfig(Section):
     seed: Seed = 0
     device: Device = "auto"
     num_workers: int = Field(0, ge=0)  # image decoding happens once, before training
+    # last.pt also mid-epoch every N steps / minutes (0: at epoch ends only); SIGTERM or
+    # SIGINT always write it and exit 75 (infra/resume.py). Not part of the run's identity.
+    checkpoint_every_steps: NonNegativeInt = 0
+    checkpoint_every_minutes: NonNegativeFloat = 0.0
     eval_iou: float = Field(0.5, gt=0.0, le=1.0)  # mAP@IoU and recall
 
     @property

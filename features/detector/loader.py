@@ -13,6 +13,7 @@ from features.decode import BadImage, load_image
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
 from features.detector.inputs import keep_list, resize_for_detection, to_tensor
+from infra.resume import ignore_stop_signals
 
 MAX_PIXELS = 89_478_485
 
@@ -91,10 +92,15 @@ def epoch_jobs(n: int, cfg: DetectorConfig, epoch: int) -> list[list[tuple[int, 
 
 
 def make_loader(items: DetectionItems, batches, cfg: DetectorConfig, seed: int) -> DataLoader:
+    """``batches`` (lists of jobs) of ``items``, read by ``cfg.num_workers`` processes.
+    The workers' seeds come from ``seed``, not torch's global generator (which the
+    detector's samplers draw from); they ignore SIGTERM and SIGINT (sent to the process
+    group by a queue or Ctrl-C), which the trainer handles (:mod:`infra.resume`)."""
     return DataLoader(
         items,
         batch_sampler=batches,
         num_workers=cfg.num_workers,
         collate_fn=keep_list,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_stop_signals,
     )

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import box_iou
 
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
-from features.detector.inputs import batch_images, keep_list
-from features.detector.loader import DetectionItems
+from features.detector.inputs import batch_images
+from features.detector.loader import DetectionItems, make_loader
 from infra.files import atomic_path, write_json
 
 
@@ -100,9 +99,7 @@ def evaluate_detector(
     attr_scores: list[float] = []
     bar = progress(total=len(images)) if progress else None
     heads = model.roi_heads
-    for batch in DataLoader(
-        items, batch_sampler=jobs, num_workers=cfg.num_workers, collate_fn=keep_list
-    ):
+    for batch in make_loader(items, jobs, cfg, cfg.seed):
         good = [b for b in batch if b["error"] is None]
         if not good:
             continue

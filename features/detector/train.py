@@ -12,8 +12,11 @@ cosine schedule, per iteration.
 
 Deterministic: the image order and flips of epoch ``e`` come from ``(seed, e)``; the
 RPN/RoI samplers draw from torch's global generator, seeded once and saved in ``last.pt``
-with the optimiser and scheduler after every epoch, so ``resume`` ends bit-identical to an
-uninterrupted run. Metrics hold no timings.
+with the optimiser and scheduler after every epoch, and within an epoch every
+``checkpoint_every_steps`` steps / ``checkpoint_every_minutes`` minutes and on SIGTERM or
+SIGINT (then exit status 75; :mod:`infra.resume`), with the step reached: ``resume`` gives
+the loader only the batches after it and ends bit-identical to an uninterrupted run.
+Metrics hold no timings.
 
 Evaluation on val (:func:`evaluate_detector`):
 
@@ -59,13 +62,13 @@ from features.detector.weights import (
 from infra.config import UserError
 from infra.device import resolve_device
 from infra.files import save_torch
-from infra.resume import restore_training, training_state
+from infra.resume import StepCheckpoints, restore_training, training_state
 from infra.schedule import lr_factor
 
 LAST = "last.pt"
-
-
 FINAL = "detector.pt"
+# settings that do not change the result: a run may resume under others
+NOT_IDENTITY = ("checkpoint_every_steps", "checkpoint_every_minutes")
 
 
 class DetectorTrainingError(UserError):
@@ -220,90 +223,57 @@ def _train(
         ),
     )
     identity = {
-        "config": cfg.model_dump(mode="json"),
+        "config": cfg.model_dump(mode="json", exclude=set(NOT_IDENTITY)),
         "classes": classes,
         "attributes": attributes,
         "train_keys": [im.key for im in train_images],
     }
     history: list[dict] = []
-    start = 0
+    start, within = 0, None
     last_path = out_dir / LAST
     if resume and last_path.exists():
         ckpt = restore_training(
             last_path, identity, model, optimizer, scheduler, device, DetectorTrainingError
         )
-        history, start = ckpt["history"], ckpt["epoch"] + 1
-        log(f"detector: resuming from {last_path} after epoch {ckpt['epoch']}")
+        history, start, within = ckpt["history"], ckpt["epoch"] + 1, ckpt.get("within")
+        if within is not None:
+            log(f"detector: resuming from {last_path} at epoch {start} step {within['step']}")
+        else:
+            log(f"detector: resuming from {last_path} after epoch {ckpt['epoch']}")
     elif resume:
         log(f"detector: --resume, but no {last_path} yet: starting from scratch")
 
+    def save_last(epoch_done: int, step_state: dict | None = None) -> None:
+        state = training_state(model, optimizer, scheduler, device)
+        last = {**identity, **state, "epoch": epoch_done, "history": history}
+        save_torch({**last, "within": step_state}, last_path)
+
     items = DetectionItems(train_images, images_root, cfg, classes, attributes)
-    weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
-    skipped: set[int] = set()
     log(
         f"detector: {cfg.architecture}, {len(classes)} classes, {len(attributes)} attributes; "
         f"{len(train_images)} train / {len(val_images)} val images; {cfg.epochs} epochs of "
         f"{steps_per_epoch} steps on {device}"
     )
-    for epoch in range(start, cfg.epochs):
-        model.train()
-        for m in frozen_bn:
-            m.eval()
-        tick, seen = time.perf_counter(), 0
-        sums: dict[str, float] = {}
-        batches = epoch_jobs(len(train_images), cfg, epoch)
-        bar = progress(total=len(batches) * cfg.batch_size) if progress else None
-        for step, batch in enumerate(make_loader(items, batches, cfg, cfg.seed + epoch)):
-            good = [b for b in batch if b["error"] is None]
-            for b in batch:
-                if b["error"] is not None and b["index"] not in skipped:
-                    skipped.add(b["index"])
-                    log(f"detector: skipping unreadable image {b['error']}")
-            if not good:
-                continue
-            images = [b["image"].to(device) for b in good]
-            targets = [{k: v.to(device) for k, v in b["target"].items()} for b in good]
-            parts = _losses(model, images, targets, cfg)
-            loss = sum(v * weights.get(k, 1.0) for k, v in parts.items())
-            if not torch.isfinite(loss):
-                kept = f"{last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
-                raise DetectorTrainingError(
-                    f"detector: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
-                    f"Kept the last good checkpoint: {kept}. Lower detector.lr or raise "
-                    "detector.warmup_steps, then rerun with --resume"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            parts["loss"] = loss
-            for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach())
-            seen += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
-        if bar is not None:
-            bar.close()
-        row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
-        row["lr"] = optimizer.param_groups[0]["lr"]
-        history.append(row)
-        seconds = time.perf_counter() - tick
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_torch(
-            {
-                **identity,
-                **training_state(model, optimizer, scheduler, device),
-                "epoch": epoch,
-                "history": history,
-            },
-            last_path,
-        )
-        log(
-            f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} "
-            f"({', '.join(f'{k[5:]} {v:.3f}' for k, v in row.items() if k.startswith('loss_'))})"
-            f", {seen / seconds:.1f} img/s, {seconds:.0f} s"
-        )
+    checkpoints = StepCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log)
+    run = _Epochs(model, optimizer, scheduler, params, frozen_bn, items, cfg, device, log)
+    run.save_last, run.checkpoints, run.last_path = save_last, checkpoints, last_path
+    try:
+        for epoch in range(start, cfg.epochs):
+            tick = time.perf_counter()
+            row, seen = run.epoch(epoch, within if epoch == start else None, progress)
+            history.append(row)
+            seconds = time.perf_counter() - tick
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_last(epoch)
+            log(
+                f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
+                + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("loss_"))
+                + f"), {seen / seconds:.1f} img/s, {seconds:.0f} s"
+            )
+            if checkpoints.stopping is not None and epoch + 1 < cfg.epochs:
+                checkpoints.written()  # stopped by a signal: last.pt is this epoch's
+    finally:
+        checkpoints.close()
     tick = time.perf_counter()
     metrics = evaluate_detector(
         model, val_images, images_root, cfg, classes, attributes, device, progress=progress
@@ -318,3 +288,78 @@ def _train(
     }
     save_torch(detector_checkpoint(model, cfg, classes, attributes), out_dir / FINAL)
     return metrics
+
+
+class _Epochs:
+    """The detector's training epochs (what :func:`_train` set up), resumable mid-epoch."""
+
+    def __init__(self, model, optimizer, scheduler, params, frozen_bn, items, cfg, device, log):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.params, self.frozen_bn, self.items = params, frozen_bn, items
+        self.cfg, self.device, self.log = cfg, device, log
+        self.weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
+        self.skipped: set[int] = set()
+
+    def epoch(self, epoch: int, within: dict | None, progress) -> tuple[dict, int]:
+        """One epoch of steps (from a step checkpoint's ``within``: from its next batch; the
+        skip is computed, the loader is given only the batches after it); returns the
+        history row (mean loss terms, lr) and the images seen. After each step
+        :class:`StepCheckpoints` decides whether ``last.pt`` is written."""
+        model, optimizer, cfg = self.model, self.optimizer, self.cfg
+        model.train()
+        for m in self.frozen_bn:
+            m.eval()
+        batches = epoch_jobs(len(self.items), cfg, epoch)
+        first, seen, sums = 0, 0, {}
+        if within is not None:
+            first, seen, sums = within["step"], within["seen"], dict(within["sums"])
+            self.skipped.update(within["skipped"])
+        bar = progress(total=len(batches) * cfg.batch_size) if progress else None
+        if bar is not None and first:
+            bar.update(first * cfg.batch_size)
+        loader = make_loader(self.items, batches[first:], cfg, cfg.seed + epoch)
+        for step, batch in enumerate(loader, first):
+            good = [b for b in batch if b["error"] is None]
+            for b in batch:
+                if b["error"] is not None and b["index"] not in self.skipped:
+                    self.skipped.add(b["index"])
+                    self.log(f"detector: skipping unreadable image {b['error']}")
+            if good:
+                self._step(good, sums, epoch, step)
+            seen += len(batch)
+            if bar is not None:
+                bar.update(len(batch))
+            done = step + 1
+            if self.checkpoints.due(done) and done < len(batches):
+                state = {"epoch": epoch, "step": done, "seen": seen, "sums": dict(sums)}
+                self.save_last(epoch - 1, {**state, "skipped": sorted(self.skipped)})
+                self.log(f"detector: wrote {self.last_path} at epoch {epoch} step {done}")
+                self.checkpoints.written()
+        if bar is not None:
+            bar.close()
+        row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
+        row["lr"] = optimizer.param_groups[0]["lr"]
+        return row, seen
+
+    def _step(self, good: list[dict], sums: dict[str, float], epoch: int, step: int) -> None:
+        """One optimizer step on the readable images of a batch; adds its terms to ``sums``."""
+        device = self.device
+        images = [b["image"].to(device) for b in good]
+        targets = [{k: v.to(device) for k, v in b["target"].items()} for b in good]
+        parts = _losses(self.model, images, targets, self.cfg)
+        loss = sum(v * self.weights.get(k, 1.0) for k, v in parts.items())
+        if not torch.isfinite(loss):
+            kept = str(self.last_path) if self.last_path.exists() else "none yet"
+            raise DetectorTrainingError(
+                f"detector: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
+                f"Kept the last good checkpoint: {kept}. Lower detector.lr or raise "
+                "detector.warmup_steps, then rerun with --resume"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        parts["loss"] = loss
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach())

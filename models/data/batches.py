@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from infra.config import UserError
+from infra.resume import ignore_stop_signals
 from models.data.arrays import as_tensors, finish, to_device
 
 ALIGN = 64  # bytes; arrays start at cache-line boundaries in an arena
@@ -178,6 +179,7 @@ def _copied(value, pin: bool):
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
     """A worker process: builds the batches it is asked for into its arenas (one per
     slot) and answers with their layout (and an arena's new buffer when it grew)."""
+    ignore_stop_signals()  # a signal to the process group is the trainer's to handle
     torch.set_num_threads(1)
     arenas: dict[int, Arena] = {}
     stream_pass, stream, current = None, None, [None]
