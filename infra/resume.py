@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from infra.config import UserError
+from infra.files import save_torch
 
 # Exit status of a run stopped by SIGTERM/SIGINT after it wrote ``last.pt``: rerun the same
 # command with --resume (EX_TEMPFAIL of sysexits.h: "try again later").
@@ -123,18 +124,50 @@ def ignore_stop_signals(*_args) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def snapshot(value, memo: dict | None = None):
+    """A copy of ``value`` (nested dicts, lists, tuples) whose tensors are new CPU tensors:
+    what a checkpoint holds at this moment, safe to write while training changes the
+    weights and optimizer states in place. A tensor met twice (tied weights) is copied
+    once, so the file keeps them shared, as ``torch.save`` of the originals would."""
+    memo = {} if memo is None else memo
+    if torch.is_tensor(value):
+        if id(value) not in memo:
+            memo[id(value)] = value.detach().to("cpu", copy=True)
+        return memo[id(value)]
+    if isinstance(value, dict):
+        return {k: snapshot(v, memo) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(snapshot(v, memo) for v in value)
+    return value
+
+
 class StepCheckpoints:
     """When a run writes ``last.pt`` within an epoch: every ``every_steps`` steps (0: never)
     and every ``every_minutes`` minutes (0: never), and after the step in progress when
     SIGTERM or SIGINT arrives (:attr:`stopping`; the run then raises :class:`Preempted`).
     A second signal exits at once (status 128 + signal). Handlers are installed only in
-    the main thread and restored by :meth:`close`."""
+    the main thread and restored by :meth:`close`.
+
+    :meth:`save` writes the checkpoints in the background: training waits only for a
+    :func:`snapshot` of the state (a copy in CPU memory); a thread writes it and renames
+    it into place (:func:`infra.files.save_torch`). A save waits for the one before it (so
+    the files land in order), as do a stop by a signal (:meth:`written`) and the end of
+    training (:meth:`wait`); a write that failed is one line ``error`` there."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, every_steps: int = 0, every_minutes: float = 0, log=print):
+    def __init__(
+        self,
+        every_steps: int = 0,
+        every_minutes: float = 0,
+        log=print,
+        error: type[UserError] = UserError,
+    ):
         self.every_steps, self.every_seconds = every_steps, every_minutes * 60
         self.log, self.stopping, self.last = log, None, time.monotonic()
+        self.error = error
+        self._writing: threading.Thread | None = None
+        self._failed: str | None = None
         self._previous: dict = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
@@ -154,16 +187,53 @@ class StepCheckpoints:
             return True
         return bool(self.every_seconds) and time.monotonic() - self.last >= self.every_seconds
 
+    def save(self, obj: dict, path: Path) -> None:
+        """Write ``obj`` to ``path`` (atomically) in the background, after the write before
+        it; returns once ``obj`` is copied (:func:`snapshot`)."""
+        self.wait()
+        copy = snapshot(obj)
+        self._writing = threading.Thread(
+            target=self._write, args=(copy, Path(path)), name="checkpoint-writer"
+        )
+        self._writing.start()
+
+    def _write(self, obj: dict, path: Path) -> None:
+        try:
+            save_torch(obj, path)
+        except Exception as err:  # noqa: BLE001 - reported by wait(), in the training thread
+            detail = " ".join(str(err).split())[:160]
+            self._failed = (
+                f"{path}: writing the checkpoint failed ({type(err).__name__}: {detail}); "
+                "free disk space or fix the folder, then rerun with --resume (the "
+                "checkpoint before it is kept)"
+            )
+
+    def wait(self) -> None:
+        """Wait for the write in progress; a failed write is one line ``error``."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise self.error(failed)
+
     def written(self) -> None:
-        """A checkpoint was written: the minutes count from now; raise if stopping."""
+        """A checkpoint was saved: the minutes count from now; if stopping, wait for its
+        write and raise :class:`Preempted`."""
         self.last = time.monotonic()
         if self.stopping is not None:
+            self.wait()
             raise Preempted(
                 f"stopped by {self.stopping} after writing last.pt; rerun with --resume "
                 f"to go on from there (exit status {RESUMABLE_EXIT})"
             )
 
     def close(self) -> None:
+        """Restore the signal handlers; a write in progress finishes (a failure of it is
+        not raised here: :meth:`wait` raises it; this runs on the way out of any error)."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

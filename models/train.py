@@ -226,8 +226,7 @@ def train(
         log(f"--resume: no {last_path} yet, starting from scratch")
 
     def save_last(epoch_done: int, state: dict, step_state: dict | None = None) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_torch(
+        checkpoints.save(
             {
                 **identity,
                 "version": CHECKPOINT_VERSION,
@@ -248,7 +247,9 @@ def train(
         )
     batches = Batches(train_data, device, num_workers=cfg.num_workers, prefetch=cfg.prefetch)
     val_batches = Batches(val_data, device, prefetch=cfg.prefetch)  # a thread: small, per epoch
-    checkpoints = StepCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log)
+    checkpoints = StepCheckpoints(
+        cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log, TrainingError
+    )
     run = _Run(name, wrapped, model, optimizer, scheduler, batches, cfg, device, rank, world)
     run.last_path, run.log, run.checkpoints = last_path, log, checkpoints
 
@@ -291,6 +292,7 @@ def train(
                 torch.distributed.barrier()
             if run.agreed(False) and epoch + 1 < cfg.epochs:
                 checkpoints.written()  # stopped by a signal: last.pt is this epoch's
+        checkpoints.wait()  # the last write is on disk
     finally:
         checkpoints.close()
         batches.close()

@@ -32,11 +32,14 @@ def signal_group_at(monkeypatch, step: int, ignored: list) -> None:
     its children (the loader's workers), as a queue signals a job's process group; notes
     in ``ignored`` whether each worker ignores SIGTERM and SIGINT (/proc's SigIgn mask)."""
     original, count = torch.optim.SGD.step, [0]
+    earlier = {p.pid for p in psutil.Process().children()}  # not the run's (other tests')
 
     def step_then_signal(self, *args, **kwargs):
         count[0] += 1
         if count[0] == step:
             for child in psutil.Process().children():
+                if child.pid in earlier:
+                    continue
                 status = Path(f"/proc/{child.pid}/status").read_text()
                 mask = int(status.split("SigIgn:")[1].split()[0], 16)
                 ignored.append(all(mask >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGINT)))
@@ -127,10 +130,10 @@ def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(
 def test_step_checkpoints_follow_the_step_count(demo, tmp_path, monkeypatch):
     """checkpoint_every_steps: last.pt rewritten mid-epoch every N steps of an epoch (not
     at its end, where the epoch's own is written)."""
-    import features.detector.train as trainer
+    import infra.resume as writer
 
     root, _, data = demo
-    written, original = [], trainer.save_torch
+    written, original = [], writer.save_torch
 
     def recording(obj, path):
         if Path(path).name == "last.pt":
@@ -138,7 +141,7 @@ def test_step_checkpoints_follow_the_step_count(demo, tmp_path, monkeypatch):
             written.append(within and (within["epoch"], within["step"]))
         return original(obj, path)
 
-    monkeypatch.setattr(trainer, "save_torch", recording)
+    monkeypatch.setattr(writer, "save_torch", recording)
     cfg = TINY.model_copy(update={"checkpoint_every_steps": 2})
     train_detector(data, root / "images", cfg, tmp_path / "run", **QUIET)
     assert written == [(0, 2), None, (1, 2), None]  # 3 steps an epoch

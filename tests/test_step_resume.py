@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -195,15 +196,15 @@ def test_step_checkpoints_follow_the_step_count(packed, tmp_path, monkeypatch):
     """checkpoint_every_steps: last.pt rewritten mid-epoch every N steps (not at step 0),
     each loadable and resumable; the epoch-end one has no step."""
     written = []
-    import models.train
+    import infra.resume
 
-    original = models.train.save_torch
+    original = infra.resume.save_torch
 
-    def recording(obj, path):
+    def recording(obj, path):  # in the background writer's thread
         written.append(obj.get("within") and obj["within"]["step"])
         return original(obj, path)
 
-    monkeypatch.setattr(models.train, "save_torch", recording)
+    monkeypatch.setattr(infra.resume, "save_torch", recording)
     cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 4})
     run(packed, "vsepp", cfg, tmp_path / "run")
     steps = _steps_per_epoch(packed, cfg, "stores")
@@ -312,3 +313,66 @@ def test_a_rerun_flow_resumes_only_from_a_compatible_last_pt(packed, tmp_path):
     assert not resumable(tmp_path / "missing.pt", "vsepp", config)
     last.write_bytes(last.read_bytes()[:1000])
     assert not resumable(last, "vsepp", config)
+
+
+def test_a_background_write_holds_the_state_of_its_moment(tmp_path, monkeypatch):
+    """save() returns once the state is copied: weights changed in place and a history
+    grown while the thread writes are not in the file; tied weights stay one tensor; a
+    second save waits for the first write, so the file ends with the second."""
+    import infra.resume
+
+    gate, events, real = threading.Event(), [], infra.resume.save_torch
+
+    def held(obj, path):  # the writer thread, held until the test opens the gate
+        gate.wait(30)
+        real(obj, path)
+        events.append(f"wrote {len(obj['history'])}")
+
+    monkeypatch.setattr(infra.resume, "save_torch", held)
+    weight, history, last = torch.arange(6.0), [{"loss": 1.0}], tmp_path / "last.pt"
+    checkpoints = StepCheckpoints(log=lambda m: None)
+    try:
+        checkpoints.save({"state_dict": {"a": weight, "b": weight}, "history": history}, last)
+        weight.add_(100.0)  # the next optimizer steps, in place
+        history.append({"loss": 0.5})
+        assert not last.exists() and not events
+        threading.Timer(0.2, gate.set).start()
+        checkpoints.save({"state_dict": {"a": weight, "b": weight}, "history": history}, last)
+        events.append("second save returned")
+        first = torch.load(last, weights_only=True)
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+    assert events == ["wrote 1", "second save returned", "wrote 2"]
+    assert torch.equal(first["state_dict"]["a"], torch.tensor([0.0, 1, 2, 3, 4, 5]))
+    assert first["history"] == [{"loss": 1.0}]
+    a, b = first["state_dict"]["a"], first["state_dict"]["b"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    second = torch.load(last, weights_only=True)
+    assert torch.equal(second["state_dict"]["b"], torch.tensor([100.0, 101, 102, 103, 104, 105]))
+
+
+def test_a_failed_background_write_fails_the_run_in_one_line(packed, tmp_path, monkeypatch):
+    """The disk fills during a mid-epoch write: the run stops at its next checkpoint (or
+    its end) with one line naming last.pt, the earlier last.pt is kept, no thread is left."""
+    import infra.resume
+
+    real, calls = infra.resume.save_torch, []
+
+    def full_disk(obj, path):
+        calls.append(obj["within"] and obj["within"]["step"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    monkeypatch.setattr(infra.resume, "save_torch", full_disk)
+    cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 3})
+    threads = threading.active_count()
+    with pytest.raises(TrainingError) as err:
+        run(packed, "vsepp", cfg, tmp_path / "run")
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path / "run" / "last.pt") in message
+    assert "No space left on device" in message and "--resume" in message
+    assert calls == [3, 6]  # raised by the next save, before it writes
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["within"]["step"] == 3
+    assert threading.active_count() == threads

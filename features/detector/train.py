@@ -246,7 +246,7 @@ def _train(
     def save_last(epoch_done: int, step_state: dict | None = None) -> None:
         state = training_state(model, optimizer, scheduler, device)
         last = {**identity, **state, "epoch": epoch_done, "history": history}
-        save_torch({**last, "within": step_state}, last_path)
+        checkpoints.save({**last, "within": step_state}, last_path)
 
     items = DetectionItems(train_images, images_root, cfg, classes, attributes)
     log(
@@ -254,7 +254,9 @@ def _train(
         f"{len(train_images)} train / {len(val_images)} val images; {cfg.epochs} epochs of "
         f"{steps_per_epoch} steps on {device}"
     )
-    checkpoints = StepCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log)
+    checkpoints = StepCheckpoints(
+        cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log, DetectorTrainingError
+    )
     run = _Epochs(model, optimizer, scheduler, params, frozen_bn, items, cfg, device, log)
     run.save_last, run.checkpoints, run.last_path = save_last, checkpoints, last_path
     try:
@@ -272,6 +274,7 @@ def _train(
             )
             if checkpoints.stopping is not None and epoch + 1 < cfg.epochs:
                 checkpoints.written()  # stopped by a signal: last.pt is this epoch's
+        checkpoints.wait()  # the last write is on disk
     finally:
         checkpoints.close()
     tick = time.perf_counter()
