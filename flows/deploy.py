@@ -13,62 +13,11 @@ deployments named ``default`` and runs them on request::
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import features_flow, pipeline_flow, run_flow
-
-RESUME_FROM = "VSE_TRAIN_RESUME_FROM"  # a last.pt that `vse train` resumes from
-
-
-def stage_metrics(root: str | Path, stage: str, metric: bool = True) -> list[Path]:
-    """The metrics files a DVC stage writes (``metric``: else its other outputs), as
-    ``dvc.yaml`` names them."""
-    from dvc.repo import Repo
-
-    with Repo(str(root)) as repo:
-        for s in repo.index.stages:
-            if s.addressing == stage or getattr(s, "name", None) == stage:
-                return [Path(root) / str(o.def_path) for o in s.outs if bool(o.metric) == metric]
-    raise ValueError(f"no DVC stage {stage!r} in {root}/dvc.yaml")
-
-
-def resumable(last: Path, model: str, config: dict) -> bool:
-    """Whether ``last`` is a ``last.pt`` of ``model`` trained with ``config`` (the params'
-    ``models.<model>``), readable as plain data: what a rerun may resume from."""
-    from infra.config import UserError
-    from infra.resume import read_checkpoint
-
-    if not last.is_file():
-        return False
-    try:
-        ckpt = read_checkpoint(last, needs=("model", "config", "state_dict", "optimizer"))
-    except UserError:
-        return False
-    return ckpt["model"] == model and ckpt["config"] == config
-
-
-def set_aside_preempted(root: str, model: str) -> dict:
-    """A preempted ``train@<model>`` left ``last.pt`` in its output folder, which ``dvc
-    repro`` removes before it runs the stage again: a compatible one (same model and
-    params) is copied aside and named to ``vse train`` by ``VSE_TRAIN_RESUME_FROM``, so
-    the rerun resumes (:func:`flows.commands.train.run_train`). The environment for the
-    stage (empty when there is nothing to resume)."""
-    from flows.params import load_params
-
-    params = load_params(Path(root) / "params.yaml")
-    config = getattr(params.models, model).model_dump()
-    for out in stage_metrics(root, f"train@{model}", metric=False):
-        last = out / "last.pt"
-        if resumable(last, model, config):
-            aside = Path(root) / ".dvc" / "tmp" / "vse-resume" / f"{model}.pt"
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(last, aside)
-            get_run_logger().info("%s: resuming the preempted run from %s", model, last)
-            return {RESUME_FROM: str(aside)}
-    return {}
+from flows.pipeline import features_flow, pipeline_flow, run_flow, stage_metrics
 
 
 def train_and_evaluate(
@@ -101,22 +50,9 @@ def train_and_evaluate(
         )
         get_run_logger().info("evaluation of %s:\n%s", model, table)
 
-    env = {} if overrides else set_aside_preempted(root, model)  # experiments start afresh
-    try:
-        return run_flow(
-            f"train-{model}",
-            [stage],
-            root,
-            overrides,
-            pull,
-            push,
-            remote,
-            env or None,
-            collect=attach_evaluation,
-        )
-    finally:
-        if env:  # used or not: a run preempted again leaves a newer last.pt
-            Path(env[RESUME_FROM]).unlink(missing_ok=True)
+    return run_flow(
+        f"train-{model}", [stage], root, overrides, pull, push, remote, collect=attach_evaluation
+    )
 
 
 def _training_flow(model: str):

@@ -105,15 +105,74 @@ def up_to_date(stage: str, root: str | Path) -> bool:
     return not json.loads(result.stdout or "{}")
 
 
+RESUME_FROM = "VSE_TRAIN_RESUME_FROM"  # a last.pt that `vse train` resumes from
+
+
+def stage_metrics(root: str | Path, stage: str, metric: bool = True) -> list[Path]:
+    """The metrics files a DVC stage writes (``metric``: else its other outputs), as
+    ``dvc.yaml`` names them."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        for s in repo.index.stages:
+            if s.addressing == stage or getattr(s, "name", None) == stage:
+                return [Path(root) / str(o.def_path) for o in s.outs if bool(o.metric) == metric]
+    raise ValueError(f"no DVC stage {stage!r} in {root}/dvc.yaml")
+
+
+def resumable(last: Path, model: str, config: dict) -> bool:
+    """Whether ``last`` is a ``last.pt`` of ``model`` trained with ``config`` (the params'
+    ``models.<model>``), readable as plain data: what a rerun may resume from."""
+    from infra.config import UserError
+    from infra.resume import read_checkpoint
+
+    if not last.is_file():
+        return False
+    try:
+        ckpt = read_checkpoint(last, needs=("model", "config", "state_dict", "optimizer"))
+    except UserError:
+        return False
+    return ckpt["model"] == model and ckpt["config"] == config
+
+
+def set_aside_preempted(root: str, model: str) -> dict:
+    """A preempted ``train@<model>`` left ``last.pt`` in its output folder, which ``dvc
+    repro`` removes before it runs the stage again: a compatible one (same model and
+    params) is copied aside and named to ``vse train`` by ``VSE_TRAIN_RESUME_FROM``, so
+    the rerun resumes (:func:`flows.commands.train.run_train`). The environment for the
+    stage (empty when there is nothing to resume)."""
+    from flows.params import load_params
+
+    params = load_params(Path(root) / "params.yaml")
+    config = getattr(params.models, model).model_dump()
+    for out in stage_metrics(root, f"train@{model}", metric=False):
+        last = out / "last.pt"
+        if resumable(last, model, config):
+            aside = Path(root) / ".dvc" / "tmp" / "vse-resume" / f"{model}.pt"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(last, aside)
+            get_run_logger().info("%s: resuming the preempted run from %s", model, last)
+            return {RESUME_FROM: str(aside)}
+    return {}
+
+
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
-def run_stage(stage: str, root: str, env: dict | None = None) -> str:
+def run_stage(stage: str, root: str, env: dict | None = None, resume: bool = False) -> str:
     """One DVC stage: "skipped" when up to date, else "ran" (run, or its outputs restored
     from the run cache). ``env`` adds environment variables for the stage's command (e.g.
-    its Dask cluster)."""
+    its Dask cluster). With ``resume``, a ``train@<model>`` stage goes on from the
+    ``last.pt`` a preempted run of it left (:func:`set_aside_preempted`): on a rerun of
+    the flow, and on this task's retry after the trainer exited 75."""
     if up_to_date(stage, root):
         get_run_logger().info("%s: up to date, skipped", stage)
         return "skipped"
-    _dvc(["repro", "--single-item", stage], root, stage, env)
+    model = stage.split("@", 1)[1] if stage.startswith("train@") else None
+    aside = set_aside_preempted(root, model) if resume and model else {}
+    try:
+        _dvc(["repro", "--single-item", stage], root, stage, {**(env or {}), **aside})
+    finally:
+        if aside:  # used or not: a run preempted again leaves a newer last.pt
+            Path(aside[RESUME_FROM]).unlink(missing_ok=True)
     return "ran"
 
 
@@ -218,7 +277,8 @@ def run_flow(
     with (
         experiment_workspace(root, overrides) if overrides else contextlib.nullcontext(root)
     ) as work:
-        states = {stage: run_stage(stage, str(work), env) for stage in stages}  # in DAG order
+        # in DAG order; experiments (overrides) train afresh
+        states = {stage: run_stage(stage, str(work), env, not overrides) for stage in stages}
         experiment = None
         if overrides:
             experiment = save_experiment(

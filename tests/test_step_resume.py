@@ -299,7 +299,7 @@ def test_a_ddp_run_resumes_on_another_number_of_ranks(tmp_path, repo_root, befor
 def test_a_rerun_flow_resumes_only_from_a_compatible_last_pt(packed, tmp_path):
     """``train-<model>`` passes a preempted run's last.pt on (VSE_TRAIN_RESUME_FROM) only
     when it is this model's, trained with the same params, and readable as plain data."""
-    from flows.deploy import resumable
+    from flows.pipeline import resumable
 
     cfg = CFG.model_copy(update={"epochs": 1, "checkpoint_every_steps": 5})
     with pytest.MonkeyPatch.context() as patch:
