@@ -34,7 +34,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
 
@@ -57,14 +57,20 @@ def small_params(repo_root) -> str:
     return yaml.safe_dump(params, sort_keys=False)
 
 
-@pytest.fixture
-def project(tmp_path, repo_root):
-    """The repository's files (tracked or not ignored) copied into a new git repo."""
+def copy_project(repo_root: Path, to: Path) -> Path:
+    """The repository's files (tracked or not ignored) copied into a new git repo at ``to``,
+    with :func:`small_params`."""
     files = run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], repo_root)
     for rel in files.stdout.splitlines():
         if (repo_root / rel).is_file():
-            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo_root / rel, tmp_path / rel)
-    run(["git", "init", "-q"], tmp_path)
-    (tmp_path / "params.yaml").write_text(small_params(repo_root))
-    return tmp_path
+            (to / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo_root / rel, to / rel)
+    run(["git", "init", "-q"], to)
+    (to / "params.yaml").write_text(small_params(repo_root))
+    return to
+
+
+@pytest.fixture
+def project(tmp_path, repo_root):
+    """The repository copied into a new git repo (:func:`copy_project`)."""
+    return copy_project(repo_root, tmp_path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run
+from conftest import copy_project, run
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
@@ -17,6 +17,13 @@ def harness():
 
     with prefect_test_harness():
         yield
+
+
+@pytest.fixture(scope="module")
+def flow_project(tmp_path_factory, repo_root):
+    """One project copy for this module's flows: the preemption test reuses the stages the
+    first test built (run alone, it builds them itself)."""
+    return copy_project(repo_root, tmp_path_factory.mktemp("project"))
 
 
 def test_dag_order_puts_dependencies_first(repo_root):
@@ -31,7 +38,8 @@ def test_dag_order_puts_dependencies_first(repo_root):
         dag_order(repo_root, ["nope"])
 
 
-def test_flow_runs_stages_shares_dvc_lock_and_fails_loudly(harness, project):
+def test_flow_runs_stages_shares_dvc_lock_and_fails_loudly(harness, flow_project):
+    project = flow_project
     from flows.pipeline import features_flow
 
     states = features_flow(root=str(project))
@@ -74,7 +82,7 @@ if at and os.path.basename(sys.argv[0]) == "vse" and sys.argv[1:2] == ["train"]:
 
 
 def test_a_preempted_training_flow_resumes_on_retry_and_rerun(
-    harness, project, tmp_path_factory, monkeypatch
+    harness, flow_project, tmp_path_factory, monkeypatch
 ):
     """train-vsepp with the trainer SIGTERMed at its 3rd step (exit 75): the task's retry
     goes on from last.pt (so it is stopped at step 6 of the epoch, not 3 again); the flow
@@ -83,6 +91,7 @@ def test_a_preempted_training_flow_resumes_on_retry_and_rerun(
 
     from flows.deploy import train_vsepp
 
+    project = flow_project
     hook = tmp_path_factory.mktemp("hook")
     (hook / "sitecustomize.py").write_text(PREEMPT)
     monkeypatch.setenv("PYTHONPATH", f"{hook}:{os.environ.get('PYTHONPATH', '')}")
