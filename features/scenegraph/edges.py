@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from features.scenegraph.factual import neutral_predicate
+from features.scenegraph.factual import PORTION_NOUNS, neutral_predicate
 
 WEIGHTS = Path(__file__).with_name("edges.npz")
 
@@ -113,6 +113,13 @@ def attribute_features(toks, chains, m: int, h: int, rule: bool):
     return fields, between(toks, m, h)
 
 
+def token_rows(tensor: np.ndarray, toks, rows: np.ndarray) -> np.ndarray:
+    """The dense input of candidates ``rows`` (B, 2) of token pairs (a, b): the token vectors
+    of a, b and b's head (the preposition or verb that governs it), (B, 3T)."""
+    heads = np.array([toks[b].head for b in rows[:, 1].tolist()])
+    return np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]], tensor[heads]], axis=1)
+
+
 def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
     """Tokens that may be attributes: open-class words that are no object head and no word
     of an object's name."""
@@ -139,13 +146,13 @@ class Scorer:
 
     def __init__(self, arrays, prefix: str):
         self.emb = arrays[prefix + "emb"].astype(np.float32)  # (V, E); row 0 is padding
-        self.w1 = arrays[prefix + "w1"].astype(np.float32)  # (2T + (F + 1) E, H)
+        self.w1 = arrays[prefix + "w1"].astype(np.float32)  # (3T + (F + 1) E, H)
         self.b1 = arrays[prefix + "b1"].astype(np.float32)  # (H,)
         self.w2 = arrays[prefix + "w2"].astype(np.float32)  # (H, C)
         self.b2 = arrays[prefix + "b2"].astype(np.float32)  # (C,)
 
     def __call__(self, dense: np.ndarray, ids: np.ndarray, bag: np.ndarray) -> np.ndarray:
-        """Logits (B, C) of dense (B, 2T), field ids (B, F) and bag ids (B, L; 0 pads)."""
+        """Logits (B, C) of dense (B, 3T), field ids (B, F) and bag ids (B, L; 0 pads)."""
         n = len(ids)
         fields = self.emb[ids].reshape(n, -1)  # (B, F E)
         counts = np.maximum((bag > 0).sum(1, keepdims=True), 1)  # (B, 1)
@@ -178,10 +185,13 @@ class EdgeModel:
     def __init__(self, arrays):
         self.vocab = Vocabulary(str(w) for w in arrays["vocab"])
         self.predicates = [str(p) for p in arrays["predicates"]]  # "", "?" then the vocabulary
-        self.neutral = [" ".join(neutral_predicate(p.split())) for p in self.predicates]
         self.relations = Scorer(arrays, "rel_")
         self.attributes = Scorer(arrays, "att_")
-        self.threshold = float(arrays["threshold"])
+        # attributes: a rules' one is dropped below the first margin, a new one added above
+        # the second; relations: the least probability of the model's choice that adds a
+        # relation, drops a rules' one, changes a rules' predicate
+        self.threshold = tuple(float(x) for x in arrays["threshold"])
+        self.confidence = tuple(float(x) for x in arrays["confidence"])
         self.pipeline = tuple(str(x) for x in arrays["pipeline"])  # (package, version)
         self.width = int(arrays["width"])
 
@@ -222,29 +232,46 @@ class EdgeModel:
                     toks, chains, i, j, rule[0]["lemma"] if rule else "",
                     back[0]["lemma"] if back else "",
                 )  # fmt: skip
-                pairs.append((i, j))
+                pairs.append((index[i], index[j]))
                 ids.append(self.vocab.ids(fields))
                 bags.append(self.vocab.bag(bag))
-        rows = np.array(pairs)
-        dense = np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]]], axis=1)
-        best = self.relations(dense, np.array(ids), np.array(bags)).argmax(1)
-        kept = []
-        for (i, j), c in zip(pairs, best.tolist(), strict=True):
-            s, o = index[i], index[j]
-            rule = by_pair.get((s, o), [])
-            if c == 1:  # "other": a predicate outside the vocabulary; the rules' stand
+        rows = np.array([(i, j) for i in heads for j in heads if i != j])
+        logits = self.relations(token_rows(tensor, toks, rows), np.array(ids), np.array(bags))
+        probs = np.exp(logits - logits.max(1, keepdims=True))  # (B, C)
+        best, sure = probs.argmax(1), probs.max(1) / probs.sum(1)  # (B,), (B,)
+        add, drop, change = self.confidence
+        # "a group of people": (group, of, people) is how the rules name the members' group
+        # (FACTUAL's attribute "group of"), a convention the model's labels do not show
+        kept = [
+            r
+            for r in graph.relations
+            if r["lemma"] == "of"
+            and graph.objects[r["subject"]]["lemma"].split()[-1] in PORTION_NOUNS
+        ]
+        proposed = []
+        for (s, o), c, p in zip(pairs, best.tolist(), sure.tolist(), strict=True):
+            rule = [r for r in by_pair.get((s, o), ()) if r not in kept]
+            if c > 1 and p >= (change if rule else add):
+                proposed.append((s, self.predicates[c], o))
+            elif rule and (c != 0 or p < drop):  # the rules' decision stands
                 kept.extend(rule)
-            elif c > 1:
-                same = [r for r in rule if _neutral(r["lemma"]) == self.neutral[c]]
-                p = self.predicates[c]
-                kept.extend(same or [{"subject": s, "relation": p, "lemma": p, "object": o}])
+        # a rules' relation the model restates in the neutral reading stays as the rules
+        # wrote it: "sit on" for "on", (branch, of, tree) for (tree, have, branch)
+        restated = {_canonical(*t) for t in proposed}
+        kept += [r for r in graph.relations if r not in kept and _canonical(
+            r["subject"], r["lemma"], r["object"]) in restated]  # fmt: skip
+        said = {_canonical(r["subject"], r["lemma"], r["object"]) for r in kept}
+        for s, p, o in proposed:
+            if _canonical(s, p, o) not in said:
+                said.add(_canonical(s, p, o))
+                kept.append({"subject": s, "relation": p, "lemma": p, "object": o})
         graph.relations = kept
 
     def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
         candidates = attribute_candidates(toks, index, name_words)
         if not candidates:
             return
-        made = {(a["object"], a["attribute"]) for a in graph.attributes}
+        made = {(a["object"], a["attribute"]): a for a in graph.attributes}
         pairs, ids, bags = [], [], []
         for h in heads:
             for m in candidates:
@@ -254,17 +281,19 @@ class EdgeModel:
                 ids.append(self.vocab.ids(fields))
                 bags.append(self.vocab.bag(bag))
         rows = np.array(pairs)
-        dense = np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]]], axis=1)
+        dense = token_rows(tensor, toks, rows)
         logits = self.attributes(dense, np.array(ids), np.array(bags))  # (B, 2)
-        yes = (logits[:, 1] - logits[:, 0]) > self.threshold
+        margin = (logits[:, 1] - logits[:, 0]).tolist()  # (B,)
+        low, high = self.threshold
         words = {toks[m].text for m in candidates}
         out = [a for a in graph.attributes if a["attribute"] not in words]
         seen = {(a["object"], a["attribute"]) for a in out}
-        for (m, h), keep in zip(pairs, yes.tolist(), strict=True):
+        for (m, h), score in zip(pairs, margin, strict=True):
             key = (index[h], toks[m].text)
-            if keep and key not in seen:
+            if score > (low if key in made else high) and key not in seen:
                 seen.add(key)
-                out.append({"object": key[0], "attribute": key[1], "lemma": attribute_lemma(toks[m])})
+                new = {"object": key[0], "attribute": key[1], "lemma": attribute_lemma(toks[m])}
+                out.append(made.get(key, new))
         graph.attributes = out
 
 
@@ -278,4 +307,11 @@ def pipeline_of(nlp) -> tuple[str, str]:
 @lru_cache(maxsize=4096)
 def _neutral(lemma: str) -> str:
     return " ".join(neutral_predicate(lemma.split()))
+
+
+def _canonical(subject: int, lemma: str, obj: int) -> tuple[int, str, int]:
+    """A relation in the convention-neutral reading (:mod:`features.scenegraph.factual`):
+    (X, of, Y) is (Y, have, X)."""
+    p = _neutral(lemma)
+    return (obj, "have", subject) if p == "of" else (subject, p, obj)
 
