@@ -84,6 +84,11 @@ def main() -> None:
     parser.add_argument("--model", default=ScenegraphConfig().spacy_model)
     parser.add_argument("--unseen", action="store_true", help="drop captions seen in training")
     parser.add_argument("--rules-only", action="store_true", help="without the edge model")
+    parser.add_argument(
+        "--confidence", type=float, nargs=3, metavar=("ADD", "DROP", "CHANGE"),
+        help="the edge model's relation gates instead of the shipped operating point",
+    )  # fmt: skip
+    parser.add_argument("--margins", type=float, nargs=2, metavar=("DROP", "ADD"))
     args = parser.parse_args()
     files = args.files or [data_folder() / f for f in DEFAULT]
     nlp, provenance = load_pipeline(args.model)
@@ -91,9 +96,16 @@ def main() -> None:
     edges = Parser.for_pipeline(nlp).edges
     if args.rules_only:
         Parser.for_pipeline(nlp).edges = None
+    elif edges is not None:
+        edges.confidence = tuple(args.confidence or edges.confidence)
+        edges.threshold = tuple(args.margins or edges.threshold)
     print(
         f"model {provenance['package']} {provenance['version']}; learned edge model: "
-        + ("off" if args.rules_only or edges is None else "on")
+        + (
+            "off"
+            if args.rules_only or edges is None
+            else f"on, gates {edges.confidence}, attribute margins {edges.threshold}"
+        )
     )
     seen = set()
     if args.unseen:

@@ -16,11 +16,17 @@ so the stage stays in spaCy's throughput class (no second encoder):
 
 Relations: a softmax over ``none``, ``other`` (a gold predicate rarer than the
 vocabulary's floor) and the predicate vocabulary, for every ordered pair of the rules'
-object heads. ``none`` drops the rules' relations of the pair, ``other`` keeps them, a
-predicate replaces them unless a rules' predicate of the pair already says the same in
-the convention-neutral reading (:func:`features.scenegraph.factual.neutral_predicate`:
-the rules' "sit on" stays where the model says "on"). Attributes: a logistic score for
-every (modifier, object head) pair; the rules' attributes whose word is no candidate stay.
+object heads. Where the model's choice is at least as probable as its gate
+(:attr:`EdgeModel.confidence`: one to add a relation the rules lack, one to drop a rules'
+relation, one to change a rules' predicate), ``none`` drops the rules' relations of the
+pair and a predicate replaces them, unless a rules' relation already says the same in the
+convention-neutral reading (:func:`features.scenegraph.factual.neutral_predicate`; the
+rules' "sit on" stays where the model says "on", (branch, of, tree) where it says (tree,
+have, branch)); elsewhere, and for ``other``, the rules' relations stand. Attributes: a
+logistic score for every (modifier, object head) pair; a rules' attribute is dropped below
+one margin, a new one added above another (:attr:`EdgeModel.threshold`); the rules'
+attributes whose word is no candidate stay. The gates are set where the project's own
+gold set and the demo's captions keep their scores (:mod:`features.scenegraph.train_edges`).
 
 The weights are one ``.npz`` that ships with the package (:data:`WEIGHTS`); the model is
 used only with the spaCy pipeline it was trained on (name, version and tensor width, as
@@ -314,4 +320,3 @@ def _canonical(subject: int, lemma: str, obj: int) -> tuple[int, str, int]:
     (X, of, Y) is (Y, have, X)."""
     p = _neutral(lemma)
     return (obj, "have", subject) if p == "of" else (subject, p, obj)
-

@@ -66,10 +66,8 @@ class Parser:
         trained on."""
         graph, toks, builder = self.rules(doc, record)
         tensor = getattr(doc, "tensor", None)
-        if self.edges is not None and tensor is not None and tensor.shape == (
-            len(doc),
-            self.edges.width,
-        ):
+        width = None if self.edges is None else self.edges.width
+        if tensor is not None and tensor.shape == (len(doc), width):
             self.edges.apply(tensor, toks, builder.index, builder.name_words, graph)
         return graph
 
