@@ -4,12 +4,12 @@ and the conventions: :mod:`features.scenegraph.factual`), with SceneGraphParser'
 the ``sng_parser`` package is importable, and the largest error classes.
 
     python benchmarks/scenegraph_factual.py [FILE.csv ...] [--errors 12] [--limit N]
-        [--unseen] [--rules-only]
+        [--unseen] [--edges project|factual|off]
 
 Without files: the random-split dev set and the length-split dev set. ``--unseen`` drops
 the captions that occur verbatim in the training file the learned parts were trained on
-(929 of length dev's 1000 do); ``--rules-only`` scores the rules without the learned edge
-model (:mod:`features.scenegraph.edges`), the "before" row.
+(929 of length dev's 1000 do); ``--edges``: the learned edge model's mode
+(:mod:`features.scenegraph.edges`; ``off``: the rules alone, the "before" row).
 """
 
 from __future__ import annotations
@@ -83,29 +83,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N captions only")
     parser.add_argument("--model", default=ScenegraphConfig().spacy_model)
     parser.add_argument("--unseen", action="store_true", help="drop captions seen in training")
-    parser.add_argument("--rules-only", action="store_true", help="without the edge model")
-    parser.add_argument(
-        "--confidence", type=float, nargs=3, metavar=("ADD", "DROP", "CHANGE"),
-        help="the edge model's relation gates instead of the shipped operating point",
-    )  # fmt: skip
-    parser.add_argument("--margins", type=float, nargs=2, metavar=("DROP", "ADD"))
+    parser.add_argument("--edges", choices=("project", "factual", "off"), default="project")
     args = parser.parse_args()
     files = args.files or [data_folder() / f for f in DEFAULT]
     nlp, provenance = load_pipeline(args.model)
     lemma = Lemmas(nlp)
-    edges = Parser.for_pipeline(nlp).edges
-    if args.rules_only:
-        Parser.for_pipeline(nlp).edges = None
-    elif edges is not None:
-        edges.confidence = tuple(args.confidence or edges.confidence)
-        edges.threshold = tuple(args.margins or edges.threshold)
+    edges = Parser.for_pipeline(nlp, args.edges).edges
     print(
         f"model {provenance['package']} {provenance['version']}; learned edge model: "
-        + (
-            "off"
-            if args.rules_only or edges is None
-            else f"on, gates {edges.confidence}, attribute margins {edges.threshold}"
-        )
+        + (f"{args.edges}, gates {edges.confidence}, margins {edges.threshold}" if edges else "off")
     )
     seen = set()
     if args.unseen:
@@ -120,7 +106,9 @@ def main() -> None:
         gold = [g for _, g in rows]
         ours = [
             predicted_raw(r)
-            for r in parse_captions(nlp, list(map(str, range(len(rows)))), captions)
+            for r in parse_captions(
+                nlp, list(map(str, range(len(rows)))), captions, edges=args.edges
+            )
         ]
         sng = sng_graphs(captions, nlp)
         results, errors = {}, {}

@@ -8,13 +8,14 @@ import hashlib
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from features.scenegraph.builder import SceneGraph, _Tok
 from features.scenegraph.edges import WEIGHTS, EdgeModel, Scorer, Vocabulary
 from features.scenegraph.factual import Lemmas, data_folder, parse_graph
 from features.scenegraph.lexicon import normalise_case
 from features.scenegraph.parser import Parser
-from features.scenegraph.stage import load_pipeline
+from features.scenegraph.stage import ScenegraphConfig, load_pipeline
 from features.scenegraph.train_edges import Net, examples
 
 WIDTH = 4  # token vector width of the hand-made model
@@ -208,3 +209,16 @@ def test_shipped_model_finds_what_the_rules_miss(english, caption, relation):
     doc = nlp(normalise_case(caption))
     assert relation not in parser.rules(doc)[0].lemma_tuples()[2]
     assert relation in parser(doc).lemma_tuples()[2]
+
+
+def test_modes_of_the_edge_model(english):
+    nlp, _ = english
+    assert Parser.for_pipeline(nlp, "off").edges is None
+    shipped = Parser.for_pipeline(nlp, "project").edges
+    factual = Parser.for_pipeline(nlp, "factual").edges
+    assert factual.confidence == (0.0, 0.0, 0.0) and factual.threshold == (0.0, 0.0)
+    assert shipped.confidence == tuple(np.load(WEIGHTS)["confidence"])  # not overwritten
+    with pytest.raises(ValueError, match="project, factual or off"):
+        Parser.for_pipeline(nlp, "fast")
+    with pytest.raises(ValidationError):
+        ScenegraphConfig(edges="fast")

@@ -35,6 +35,7 @@ recorded in the file), else the rules' graph stands unchanged. Inference is nump
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from pathlib import Path
 
@@ -207,6 +208,18 @@ class EdgeModel:
             return None
         with np.load(path, allow_pickle=False) as arrays:
             return cls(dict(arrays))
+
+    def gated(self, mode: str) -> EdgeModel:
+        """The model in ``mode``: "project", the gates it was shipped with (the project's
+        conventions hold); "factual", every choice of the model taken (gates 0, margins 0:
+        FACTUAL's conventions, "beneath" -> "under")."""
+        if mode == "project":
+            return self
+        if mode != "factual":
+            raise ValueError(f"edge model mode {mode!r}: project or factual")
+        model = copy.copy(self)
+        model.confidence, model.threshold = (0.0, 0.0, 0.0), (0.0, 0.0)
+        return model
 
     def fits(self, nlp) -> bool:
         """Whether ``nlp`` is the pipeline the model was trained on."""

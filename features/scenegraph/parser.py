@@ -3,6 +3,7 @@ small English model errs systematically on captions, then handed to the rules.""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Collection
 
@@ -18,7 +19,8 @@ from features.scenegraph.lexicon import (
     verb_lemma,
 )
 
-_PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipeline -> Parser
+# pipeline -> {edge model mode: Parser}
+_PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Parser:
@@ -40,11 +42,13 @@ class Parser:
         self.edges: EdgeModel | None = None  # the learned edge model, for its pipeline only
 
     @classmethod
-    def for_pipeline(cls, nlp) -> Parser:
+    def for_pipeline(cls, nlp, edges: str = "project") -> Parser:
         """A parser with the verb and noun indexes of ``nlp``'s rule lemmatizer, if any
-        (built once per pipeline: the indexes hold some 66k words)."""
-        parser = _PARSERS.get(nlp)
-        if parser is None:
+        (built once per pipeline: the indexes hold some 66k words), and the learned edge
+        model where it was trained on ``nlp``, in mode ``edges`` ("project", "factual" or
+        "off": :meth:`features.scenegraph.edges.EdgeModel.gated`)."""
+        parsers = _PARSERS.get(nlp)
+        if parsers is None:
             parser = cls()
             if "lemmatizer" in nlp.pipe_names:
                 lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
@@ -54,11 +58,15 @@ class Parser:
                     if lookups.has_table("lemma_exc"):
                         exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
                     parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
-            edges = EdgeModel.load()
-            if edges is not None and edges.fits(nlp):
-                parser.edges = edges
-            _PARSERS[nlp] = parser
-        return parser
+            parsers = _PARSERS[nlp] = {"off": parser}
+            model = EdgeModel.load()
+            if model is not None and model.fits(nlp):
+                for mode in ("project", "factual"):
+                    parsers[mode] = copy.copy(parser)
+                    parsers[mode].edges = model.gated(mode)
+        if edges not in ("project", "factual", "off"):
+            raise ValueError(f"edge model mode {edges!r}: project, factual or off")
+        return parsers.get(edges, parsers["off"])
 
     def __call__(self, doc, record: list | None = None) -> SceneGraph:
         """The scene graph of ``doc``: the rules' (:meth:`rules`), rewritten by the learned
