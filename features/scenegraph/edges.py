@@ -7,7 +7,8 @@ Not from a paper: a small feed-forward scorer over features spaCy has already co
 so the stage stays in spaCy's throughput class (no second encoder):
 
 * each token's ``doc.tensor`` row (the ``tok2vec`` output the tagger and parser read;
-  96 wide in ``en_core_web_sm``), for the two tokens of a candidate;
+  96 wide in ``en_core_web_sm``), for the two tokens of a candidate and the head of the
+  second;
 * embeddings of discrete features: lemmas, POS, tags and dependency labels of the two
   tokens, the dependency path between them (labels only, and with the prepositions and
   verbs on it), their signed distance, the rules' own decision for the candidate (the
@@ -146,8 +147,8 @@ def attribute_lemma(t) -> str:
 
 
 class Scorer:
-    """The feed-forward scorer: ``[tensor_a, tensor_b, emb(field_1..F), mean emb(bag)] ->
-    ReLU(W1 x + b1) -> W2 h + b2`` with one embedding table; numpy weights named
+    """The feed-forward scorer: ``x = [tensor_a, tensor_b, tensor_head(b), emb(field_1..F),
+    mean emb(bag)] -> ReLU(W1 x + b1) -> W2 h + b2`` with one embedding table; numpy weights named
     ``{prefix}emb``, ``{prefix}w1``, ``{prefix}b1``, ``{prefix}w2``, ``{prefix}b2`` (the
     layout of :class:`features.scenegraph.train_edges.Net`)."""
 

@@ -65,7 +65,7 @@ MARGINS = (-2.0, 2.0)
 def records(nlp, captions: list[str]) -> list[tuple]:
     """Per caption, what the edge model sees: (tensor (N, T), repaired tokens, object
     index, name words, the rules' graph as JSON)."""
-    parser = Parser.for_pipeline(nlp)
+    parser = Parser.for_pipeline(nlp, "off")
     out = []
     for doc in nlp.pipe(map(normalise_case, captions), batch_size=256):
         graph, toks, builder = parser.rules(doc)
@@ -76,8 +76,8 @@ def records(nlp, captions: list[str]) -> list[tuple]:
 
 
 def examples(record, gold, lemma) -> tuple[list, list] | None:
-    """The labelled relation and attribute candidates of one caption: lists of (dense
-    token rows, fields, bag, label); None where the alignment is ambiguous."""
+    """The labelled relation and attribute candidates of one caption: lists of (token
+    pair, feature strings, bag of words, label); None where the alignment is not sure."""
     tensor, toks, index, name_words, graph = record
     heads = sorted(index)
     key = {i: lemma(toks[i].text, "NOUN") for i in heads}
