@@ -4,8 +4,12 @@ and the conventions: :mod:`features.scenegraph.factual`), with SceneGraphParser'
 the ``sng_parser`` package is importable, and the largest error classes.
 
     python benchmarks/scenegraph_factual.py [FILE.csv ...] [--errors 12] [--limit N]
+        [--unseen] [--edges project|factual|off]
 
-Without files: the random-split dev set and the length-split dev set.
+Without files: the random-split dev set and the length-split dev set. ``--unseen`` drops
+the captions that occur verbatim in the training file the learned parts were trained on
+(929 of length dev's 1000 do); ``--edges``: the learned edge model's mode
+(:mod:`features.scenegraph.edges`; ``off``: the rules alone, the "before" row).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from features.scenegraph.factual import (
     read_factual,
     score,
 )
+from features.scenegraph.parser import Parser
 from features.scenegraph.stage import ScenegraphConfig, load_pipeline, parse_captions
 from infra.config import UserError
 
@@ -77,18 +82,33 @@ def main() -> None:
     parser.add_argument("--errors", type=int, default=12, help="error classes to list")
     parser.add_argument("--limit", type=int, default=0, help="first N captions only")
     parser.add_argument("--model", default=ScenegraphConfig().spacy_model)
+    parser.add_argument("--unseen", action="store_true", help="drop captions seen in training")
+    parser.add_argument("--edges", choices=("project", "factual", "off"), default="project")
     args = parser.parse_args()
     files = args.files or [data_folder() / f for f in DEFAULT]
     nlp, provenance = load_pipeline(args.model)
     lemma = Lemmas(nlp)
-    print(f"model {provenance['package']} {provenance['version']}")
+    edges = Parser.for_pipeline(nlp, args.edges).edges
+    print(
+        f"model {provenance['package']} {provenance['version']}; learned edge model: "
+        + (f"{args.edges}, gates {edges.confidence}, margins {edges.threshold}" if edges else "off")
+    )
+    seen = set()
+    if args.unseen:
+        seen = {c.strip().lower() for c, _ in read_factual(data_folder() / "random_train.csv")}
     for path in files:
         rows = read_factual(path)[: args.limit or None]
+        if seen:
+            before = len(rows)
+            rows = [(c, g) for c, g in rows if c.strip().lower() not in seen]
+            print(f"{path.name}: {before - len(rows)} captions seen in random_train.csv dropped")
         captions = [c for c, _ in rows]
         gold = [g for _, g in rows]
         ours = [
             predicted_raw(r)
-            for r in parse_captions(nlp, list(map(str, range(len(rows)))), captions)
+            for r in parse_captions(
+                nlp, list(map(str, range(len(rows)))), captions, edges=args.edges
+            )
         ]
         sng = sng_graphs(captions, nlp)
         results, errors = {}, {}

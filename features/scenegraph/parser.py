@@ -3,10 +3,12 @@ small English model errs systematically on captions, then handed to the rules.""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
+from features.scenegraph.edges import EdgeModel
 from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
@@ -17,7 +19,8 @@ from features.scenegraph.lexicon import (
     verb_lemma,
 )
 
-_PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipeline -> Parser
+# pipeline -> {edge model mode: Parser}
+_PARSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Parser:
@@ -36,13 +39,16 @@ class Parser:
         self.verbs = frozenset(verbs) if verbs is not None else None
         self.nouns = frozenset(nouns) if nouns is not None else None
         self.noun_exceptions = noun_exceptions or {}  # irregular plurals: leaves -> leaf
+        self.edges: EdgeModel | None = None  # the learned edge model, for its pipeline only
 
     @classmethod
-    def for_pipeline(cls, nlp) -> Parser:
+    def for_pipeline(cls, nlp, edges: str = "project") -> Parser:
         """A parser with the verb and noun indexes of ``nlp``'s rule lemmatizer, if any
-        (built once per pipeline: the indexes hold some 66k words)."""
-        parser = _PARSERS.get(nlp)
-        if parser is None:
+        (built once per pipeline: the indexes hold some 66k words), and the learned edge
+        model where it was trained on ``nlp``, in mode ``edges`` ("project", "factual" or
+        "off": :meth:`features.scenegraph.edges.EdgeModel.gated`)."""
+        parsers = _PARSERS.get(nlp)
+        if parsers is None:
             parser = cls()
             if "lemmatizer" in nlp.pipe_names:
                 lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
@@ -52,12 +58,31 @@ class Parser:
                     if lookups.has_table("lemma_exc"):
                         exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
                     parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
-            _PARSERS[nlp] = parser
-        return parser
+            parsers = _PARSERS[nlp] = {"off": parser}
+            model = EdgeModel.load()
+            if model is not None and model.fits(nlp):
+                for mode in ("project", "factual"):
+                    parsers[mode] = copy.copy(parser)
+                    parsers[mode].edges = model.gated(mode)
+        if edges not in ("project", "factual", "off"):
+            raise ValueError(f"edge model mode {edges!r}: project, factual or off")
+        return parsers.get(edges, parsers["off"])
 
     def __call__(self, doc, record: list | None = None) -> SceneGraph:
-        """The scene graph of ``doc``; ``record``: a list that collects the prepositional
-        attachment decisions (for :mod:`features.scenegraph.train_learned`)."""
+        """The scene graph of ``doc``: the rules' (:meth:`rules`), rewritten by the learned
+        edge model where the parser has one and ``doc`` has the token vectors it was
+        trained on."""
+        graph, toks, builder = self.rules(doc, record)
+        tensor = getattr(doc, "tensor", None)
+        width = None if self.edges is None else self.edges.width
+        if tensor is not None and tensor.shape == (len(doc), width):
+            self.edges.apply(tensor, toks, builder.index, builder.name_words, graph)
+        return graph
+
+    def rules(self, doc, record: list | None = None) -> tuple[SceneGraph, list[_Tok], _Builder]:
+        """The rules' scene graph of ``doc``, the repaired tokens and the builder (its
+        ``index``: object head token -> object); ``record``: a list that collects the
+        prepositional attachment decisions (for :mod:`features.scenegraph.train_learned`)."""
         toks = []
         for t in doc:
             lemma = (t.lemma_ or t.text).lower()
@@ -70,7 +95,8 @@ class Parser:
                 head = toks[t.head]
                 head.children.append(t)
                 head.kids.setdefault(t.dep, []).append(t)
-        return relabel(_Builder(toks, attach, record).build())
+        builder = _Builder(toks, attach, record)
+        return relabel(builder.build()), toks, builder
 
     # -- repairs of frequent parser errors, on the editable view
 

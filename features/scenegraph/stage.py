@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import Field
 
@@ -27,6 +27,9 @@ class ScenegraphConfig(Section):
     spacy_model: str = "en_core_web_sm"  # a spaCy package name or a pipeline folder
     batch_size: int = Field(256, ge=1)
     n_process: int = Field(1, ge=1)  # spaCy worker processes (nlp.pipe n_process)
+    # the learned edge model (features.scenegraph.edges): "project" keeps the project's
+    # conventions, "factual" takes every choice of the model (FACTUAL's conventions), "off"
+    edges: Literal["project", "factual", "off"] = "project"
 
 
 # Components the rules read: tokens, tags (tagger; attribute_ruler maps them to POS, which
@@ -117,16 +120,19 @@ def parse_captions(
     batch_size: int = 256,
     progress: Callable[[Iterable], Iterable] | None = None,
     n_process: int = 1,
+    edges: str = "project",
 ) -> list[dict]:
-    """One row per caption: key, caption and its scene graph (surface forms and lemmas)."""
-    return parse_captions_timed(nlp, keys, texts, batch_size, progress, n_process)[0]
+    """One row per caption: key, caption and its scene graph (surface forms and lemmas);
+    ``edges``: the learned edge model's mode (:class:`ScenegraphConfig`)."""
+    return parse_captions_timed(nlp, keys, texts, batch_size, progress, n_process, edges)[0]
 
 
 def parse_captions_timed(
-    nlp, keys, texts, batch_size=256, progress=None, n_process=1
+    nlp, keys, texts, batch_size=256, progress=None, n_process=1, edges="project"
 ) -> tuple[list[dict], float]:
-    """:func:`parse_captions`, and the seconds spent in the rules (the rest is spaCy)."""
-    parser = Parser.for_pipeline(nlp)
+    """:func:`parse_captions`, and the seconds spent in the rules and the edge model (the
+    rest is spaCy)."""
+    parser = Parser.for_pipeline(nlp, edges)
     rows, rules = [], 0.0
     docs = nlp.pipe((normalise_case(t) for t in texts), batch_size=batch_size, n_process=n_process)
     for key, text, doc in zip(keys, texts, progress(docs) if progress else docs, strict=True):
@@ -153,7 +159,9 @@ def extract_scene_graphs(
     (captions/s of the whole stage and the seconds spent in the rules) kept apart."""
     keys, texts, splits = manifest.caption_rows()
     start = time.perf_counter()
-    rows, rules = parse_captions_timed(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process)
+    rows, rules = parse_captions_timed(
+        nlp, keys, texts, cfg.batch_size, progress, cfg.n_process, cfg.edges
+    )
     seconds = time.perf_counter() - start
     vocab = negative_vocab(rows, splits)
     return ScenegraphResult(

@@ -109,7 +109,7 @@ def main() -> None:
     # mined with the tables off: what the rules alone say
     PREDICATES.clear()
     ATTACHMENT.clear()
-    rules = Parser.for_pipeline(nlp)
+    rules = Parser.for_pipeline(nlp, "off")
     lemma = Lemmas(nlp)
     graphs, records = [], []
     for doc in nlp.pipe(map(normalise_case, captions), batch_size=256):

