@@ -24,6 +24,7 @@ import yaml
 
 MANIFEST = "data/prepared/manifest.parquet"
 GLOBAL = "data/features/global.zarr"
+REGIONS = "data/features/regions.zarr"
 TEXT = "data/features/text.zarr"
 VOCAB = "data/features/text_vocab.json"
 SCENEGRAPHS = "data/features/scenegraphs"
@@ -66,6 +67,8 @@ def measure(args, work: Path) -> None:
                 MANIFEST,
                 "--global",
                 GLOBAL,
+                "--regions",
+                REGIONS,
                 "--text",
                 TEXT,
                 "--scenegraphs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from features.images.graph_rise import graph as G
 from features.images.graph_rise import model as M
@@ -94,6 +95,41 @@ def test_regulariser_matches_a_loop():
     assert float(M.graph_regulariser(h, src, dst, w)) == pytest.approx(total, rel=1e-5)
 
 
+def test_head_pools_the_valid_items_by_mean_and_max():
+    torch.manual_seed(0)
+    head = M.Head(3, 4, 2, 5)
+    x = torch.randn(2, 3, 3)  # (B, R, D)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    x_poisoned = x.clone()
+    x_poisoned[~mask] = 1e6  # masked items must not count
+    got = head(x_poisoned, mask)
+    for b in range(2):  # naive: per image, the valid items only
+        v = torch.stack([head.item(x[b, r]) for r in range(3) if mask[b, r]])  # (R', hidden)
+        want = F.normalize(head.mlp(torch.cat([v.mean(0), v.max(0).values])), dim=-1)
+        torch.testing.assert_close(got[b], want)
+
+
+def test_region_items_scale_boxes_by_the_image_size():
+    from features.images.graph_rise.stage import region_items
+
+    class FakeStore:  # the regions store's fields, as Store.read returns them
+        def __len__(self):
+            return 1
+
+        def read(self, lo, hi, names):
+            return {
+                "features": np.ones((1, 2, 3), np.float16),
+                "boxes": np.array([[[10, 20, 50, 60], [0, 0, 0, 0]]], np.float32),
+                "n_regions": np.array([1]),
+                "image_hw": np.array([[100, 200]]),  # height 100, width 200
+                "valid": np.array([1], np.uint8),
+            }
+
+    items, mask, valid = region_items(FakeStore())
+    np.testing.assert_allclose(items[0, 0], [1, 1, 1, 0.05, 0.2, 0.25, 0.6, 0.2 * 0.4])
+    assert mask.tolist() == [[True, False]] and not items[0, 1].any() and valid.tolist() == [True]
+
+
 def test_label_loss_is_cross_entropy_against_the_label_distribution():
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
     targets = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # the second has no label
@@ -118,13 +154,17 @@ def tiny(seed=0):
     x = labels @ rng.standard_normal((5, 12)) + 0.3 * rng.standard_normal((48, 12))
     src, dst, w = G.knn_graph(G.image_vectors(labels + 0.01, [1] * 48), 3)
     cfg = GraphRiseConfig(epochs=3, batch_size=16, hidden=16, dim=8)
-    return x.astype(np.float32), labels, M.Graph(src, dst, w, 48), cfg
+    # each image a set of two items: its vector and noise, the second masked out for half
+    items = np.stack([x, rng.standard_normal(x.shape)], 1).astype(np.float32)  # (48, 2, 12)
+    mask = np.ones((48, 2), bool)
+    mask[::2, 1] = False
+    return (items, mask), labels, M.Graph(src, dst, w, 48), cfg
 
 
 def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeypatch):
     x, y, g, cfg = tiny()
-    whole, hist = M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "a", log=lambda s: None)
-    again, _ = M.train_head(x, y, g, cfg, 1.0, {"run": 1}, None, log=lambda s: None)
+    whole, hist = M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "a", log=lambda s: None)
+    again, _ = M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, None, log=lambda s: None)
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
     assert hist[-1]["graph"] > 0
@@ -138,23 +178,23 @@ def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeyp
 
     monkeypatch.setattr(M, "save_torch", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
+        M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
     monkeypatch.setattr(M, "save_torch", real_save)
     resumed, hist_b = M.train_head(
-        x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
+        *x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
     )
     assert [h["epoch"] for h in hist_b] == [0, 1, 2]
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0)
-    emb = M.embed(resumed, x)
+    emb = M.embed(resumed, *x)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1, rtol=1e-5)
 
 
 def test_resume_from_another_run_is_one_line(tmp_path):
     x, y, g, cfg = tiny()
-    M.train_head(x, y, g, cfg, 1.0, {"run": 1}, tmp_path, log=lambda s: None)
+    M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path, log=lambda s: None)
     with pytest.raises(M.GraphRiseTrainingError) as err:
-        M.train_head(x, y, g, cfg, 0.5, {"run": 1}, tmp_path, resume=True, log=lambda s: None)
+        M.train_head(*x, y, g, cfg, 0.5, {"run": 1}, tmp_path, resume=True, log=lambda s: None)
     message = str(err.value)
     assert "\n" not in message and "last.pt" in message and "alpha" in message
 
@@ -162,11 +202,11 @@ def test_resume_from_another_run_is_one_line(tmp_path):
 def test_regulariser_pulls_neighbours_together():
     x, y, g, cfg = tiny()
     cfg = cfg.model_copy(update={"epochs": 10})
-    off, _ = M.train_head(x, y, g, cfg, 0.0, {}, None, log=lambda s: None)
-    on, _ = M.train_head(x, y, g, cfg, 5.0, {}, None, log=lambda s: None)
+    off, _ = M.train_head(*x, y, g, cfg, 0.0, {}, None, log=lambda s: None)
+    on, _ = M.train_head(*x, y, g, cfg, 5.0, {}, None, log=lambda s: None)
 
     def edge_distance(model):
-        h = M.embed(model, x)
+        h = M.embed(model, *x)
         src = np.repeat(np.arange(48), 3)  # knn_graph's sources, in order
         return float(np.mean([np.sum((h[i] - h[j]) ** 2) for i, j in zip(src, g.dst, strict=True)]))
 
@@ -196,6 +236,7 @@ def test_a_label_floor_nothing_reaches_is_one_line(tmp_path):
         train_graph_rise(
             read_manifest(tmp_path / "m.parquet"),
             tmp_path / "global.zarr",
+            tmp_path / "regions.zarr",
             tmp_path / "text.zarr",
             tmp_path / "sg",
             cfg,

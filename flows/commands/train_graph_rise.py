@@ -14,6 +14,7 @@ from flows.commands import Command, path_in, path_out, progress
 def arguments(p) -> None:
     path_in(p, "--manifest", required=True, help="manifest parquet")
     path_in(p, "--global", dest="global_", required=True, help="global store: pooled features")
+    path_in(p, "--regions", help="regions store: the head's input (graph_rise.input: regions)")
     path_in(p, "--text", required=True, help="text store (caption sentence embeddings)")
     path_in(p, "--scenegraphs", required=True, help="scene-graph folder (vse extract scenegraph)")
     path_out(p, "--out", help="global-kind store of the embedding to write")
@@ -39,6 +40,7 @@ def run(args, params) -> int:
     metrics = train_graph_rise(
         read_manifest(Path(args.manifest)),
         Path(args.global_),
+        Path(args.regions) if args.regions else None,
         Path(args.text),
         Path(args.scenegraphs),
         cfg,

@@ -5,13 +5,17 @@ Machines, 2018, eq. 3) minimises over the labelled images i and the graph edges 
 
     L = sum_i L_s(y_i, f(x_i)) + alpha * sum_(i,j) w_ij * d(h_i, h_j),   d = ||h_i - h_j||^2
 
-with ``h = f(x)`` the embedding, here a two-layer MLP on the trunk's pooled feature whose
-output is L2-normalised (``dim``, 64 in HUSE and Graph-RISE), and ``L_s`` the softmax cross
-entropy against the image's labels as a distribution (multi-hot / count: the multi-label
-softmax Graph-RISE uses, without its sampling, since our vocabulary is small) through one
-linear layer on h. Where we differ from the paper: L_s is averaged over the batch's
-labelled images and the regulariser divided by the number of seed images (the paper writes
-sums; this only rescales alpha); the trunk stays frozen (the paper fine-tunes Inception).
+with ``h = f(x)`` the embedding and ``L_s`` the softmax cross entropy against the image's
+labels as a distribution (multi-hot / count: the multi-label softmax Graph-RISE uses,
+without its sampling, since our vocabulary is small) through one linear layer on h.
+``f`` reads the image as a set of item vectors: the detector's regions (feature, box,
+area; the default) or the pooled trunk feature as a set of one. Each item goes through a
+two-layer MLP, the set is pooled by the mean and the max over its valid items, and an MLP
+maps the pooled vector to ``dim`` (64 in HUSE and Graph-RISE), L2-normalised. Where we
+differ from the paper: L_s is averaged over the batch's labelled images and the regulariser
+divided by the number of seed images (the paper writes sums; this only rescales alpha);
+the trunk stays frozen (the paper fine-tunes Inception on the pixels), so the head reads
+the frozen detector's region features, which carry the colours and places the labels name.
 
 Batches follow Graph-RISE sec. 3.3 / NGM sec. 3: ``batch_size`` seed images in a seeded
 random order, each with ``packed`` of its graph neighbours drawn into the batch, and the
@@ -40,19 +44,27 @@ class GraphRiseTrainingError(UserError):
 
 
 class Head(nn.Module):
-    """``f``: pooled trunk feature ``(B, D)`` -> embedding ``h`` ``(B, dim)`` on the unit
-    sphere, and the label classifier on ``h``. Inputs are standardised with the train
-    mean and std (buffers, kept in the checkpoint)."""
+    """``f``: a set of item vectors ``(B, R, D)`` with its mask ``(B, R)`` -> embedding
+    ``h`` ``(B, dim)`` on the unit sphere, and the label classifier on ``h``. Items are
+    standardised with the mean and std of the valid train items (buffers, kept in the
+    checkpoint)."""
 
     def __init__(self, in_dim: int, hidden: int, dim: int, n_labels: int):
         super().__init__()
         self.register_buffer("mean", torch.zeros(in_dim))
         self.register_buffer("std", torch.ones(in_dim))
-        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.item = nn.Sequential(
+            nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
+        )
+        self.mlp = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.ReLU(), nn.Linear(hidden, dim))
         self.classifier = nn.Linear(dim, n_labels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.mlp((x - self.mean) / self.std), dim=-1)  # (B, dim)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask[..., None].to(x.dtype)  # (B, R, 1)
+        v = self.item((x - self.mean) / self.std) * m  # (B, R, hidden)
+        mean = v.sum(1) / m.sum(1).clamp_min(1)  # (B, hidden)
+        top = v.masked_fill(m == 0, float("-inf")).amax(1).clamp_min(0)  # (B, hidden); v >= 0
+        return F.normalize(self.mlp(torch.cat([mean, top], -1)), dim=-1)  # (B, dim)
 
 
 def label_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -122,6 +134,7 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.nda
 
 def train_head(
     features: np.ndarray,
+    mask: np.ndarray,
     targets: np.ndarray,
     graph: Graph,
     cfg,
@@ -132,16 +145,19 @@ def train_head(
     device: torch.device | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Head, list[dict]]:
-    """Train the head on ``features (N, D)`` (train images) with ``targets (N, L)`` and
+    """Train the head on the item sets ``features (N, R, D)``, ``mask (N, R)`` (train
+    images) with ``targets (N, L)`` and
     the ``graph`` over the same rows (eq. 1 above); deterministic for a given ``cfg.seed``.
     With ``out_dir``: ``last.pt`` after every epoch, and ``resume`` continues from it
     (bit-identical to an uninterrupted run; ``identity`` must match)."""
     device = device or torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = Head(features.shape[1], cfg.hidden, cfg.dim, targets.shape[1])
-    x_all = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
-    model.mean.copy_(x_all.mean(0))
-    model.std.copy_(x_all.std(0).clamp_min(1e-6))
+    model = Head(features.shape[-1], cfg.hidden, cfg.dim, targets.shape[1])
+    x_all = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))  # (N, R, D)
+    m_all = torch.from_numpy(np.asarray(mask, dtype=bool))  # (N, R)
+    items = x_all[m_all]  # (valid items, D)
+    model.mean.copy_(items.mean(0))
+    model.std.copy_(items.std(0).nan_to_num(1.0).clamp_min(1e-6))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * -(-len(features) // cfg.batch_size)
@@ -156,7 +172,7 @@ def train_head(
         )
         history, start = ckpt["history"], ckpt["epoch"] + 1
         log(f"graph-rise: resuming from {last} after epoch {ckpt['epoch']}")
-    x_all, y_all = x_all.to(device), torch.from_numpy(targets).to(device)
+    x_all, m_all, y_all = x_all.to(device), m_all.to(device), torch.from_numpy(targets).to(device)
     for epoch in range(start, cfg.epochs):
         model.train()
         rng = np.random.default_rng([cfg.seed, epoch, 1])
@@ -165,7 +181,7 @@ def train_head(
         for seeds in batches:
             rows, src, dst, w = pack_batch(seeds, graph, cfg.packed if alpha else 0, rng)
             r = torch.from_numpy(rows).to(device)
-            h = model(x_all[r])  # (B, dim)
+            h = model(x_all[r], m_all[r])  # (B, dim)
             l_s = label_loss(model.classifier(h), y_all[r])
             l_g = graph_regulariser(
                 h,
@@ -207,13 +223,15 @@ def train_head(
 
 
 @torch.no_grad()
-def embed(model: Head, features: np.ndarray, batch: int = 4096) -> np.ndarray:
-    """(N, dim) float32 embeddings of ``features (N, D)``."""
+def embed(model: Head, features: np.ndarray, mask: np.ndarray, batch: int = 4096) -> np.ndarray:
+    """(N, dim) float32 embeddings of the item sets ``features (N, R, D)``, ``mask (N, R)``."""
     device = model.mean.device
+
+    def tensor(a: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)
+
     out = [
-        model(
-            torch.from_numpy(np.ascontiguousarray(features[i : i + batch], np.float32)).to(device)
-        )
+        model(tensor(features[i : i + batch], np.float32), tensor(mask[i : i + batch], bool))
         for i in range(0, len(features), batch)
     ]
     return torch.cat(out).cpu().numpy() if out else np.zeros((0, model.mlp[-1].out_features))

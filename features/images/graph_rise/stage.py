@@ -8,15 +8,19 @@
    is a Sentence-BERT model (the demo's all-MiniLM-L6-v2), so nothing is encoded again;
    ``caption_embedding: sbert`` encodes the captions with the ``sbert`` model instead.
    Written as parquet ``src, dst, weight`` (image keys).
-3. The head (:mod:`.model`) on the global store's pooled ``features``, with ``alpha`` and,
-   for the metrics, with ``alpha = 0`` (the graph's contribution, measured).
+3. The head (:mod:`.model`) on the regions store's regions (``input: regions``: each
+   region's feature, its box over the image size and its area) or on the global store's
+   pooled ``features`` (``input: global``, a set of one), with ``alpha`` and, for the
+   metrics, with ``alpha = 0`` or, when ``alpha`` is 0, with ``compare_alpha`` (the
+   graph's contribution, measured either way).
 4. A ``global``-kind store: ``features`` (dim,) the L2-normalised embedding (zeros where
    the global store's image is invalid) and ``valid``; its fingerprint names the label
    vocabulary, the graph and the checkpoint. ``output: pca`` writes the global store's
    PCA-64 ``projected`` field there instead (HUSE's ablation, one param away).
 
 Metrics: kNN label precision@k on the test images (:func:`.graph.label_precision`) for the
-trained embedding, ``alpha = 0``, PCA-64, the pooled feature itself and random neighbours.
+trained embedding, the graph on/off comparison, PCA-64, the pooled feature itself and
+random neighbours.
 """
 
 from __future__ import annotations
@@ -53,8 +57,12 @@ class GraphRiseConfig(Section):
     neighbours: PositiveInt = 10  # k of the kNN graph
     caption_embedding: Literal["text", "sbert"] = "text"  # see the module docstring
     dim: PositiveInt = 64  # embedding size (HUSE and Graph-RISE: 64)
+    input: Literal["regions", "global"] = "regions"  # the head's input: see the docstring
     hidden: PositiveInt = 256
-    alpha: NonNegativeFloat = 0.1  # graph regulariser weight (eq. 1)
+    alpha: NonNegativeFloat = 0.0  # graph regulariser weight (eq. 1); see the README's sweep
+    # the other side of the graph on/off comparison in the metrics: the head is trained
+    # again with alpha 0 when alpha > 0, else with this alpha
+    compare_alpha: PositiveFloat = 0.01
     packed: int = Field(2, ge=0)  # neighbours packed into the batch per seed image
     epochs: PositiveInt = 40
     batch_size: PositiveInt = 64  # seed images per batch
@@ -85,6 +93,21 @@ def caption_vectors(text: Store, keys: list[str], dim: int) -> np.ndarray:
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
+def region_items(store: Store) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The regions store as item sets: ``(N, R, D + 5)`` each region's feature, its box
+    ``x1, y1, x2, y2`` over the image's width and height, and its area (of the image);
+    ``(N, R)`` the mask of its detected regions; ``(N,)`` valid."""
+    data = store.read(0, len(store), ["features", "boxes", "n_regions", "image_hw", "valid"])
+    h, w = data["image_hw"][:, 0:1].astype(np.float32), data["image_hw"][:, 1:2].astype(np.float32)
+    size = np.maximum(np.concatenate([w, h, w, h], 1), 1)[:, None, :]  # (N, 1, 4)
+    box = data["boxes"].astype(np.float32) / size  # (N, R, 4)
+    area = ((box[..., 2] - box[..., 0]) * (box[..., 3] - box[..., 1]))[..., None]  # (N, R, 1)
+    mask = np.arange(box.shape[1])[None] < data["n_regions"][:, None]  # (N, R)
+    items = np.concatenate([data["features"].astype(np.float32), box, area], -1)
+    items[~mask] = 0
+    return items, mask, data["valid"].astype(bool) & mask.any(1)
+
+
 def _digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -92,6 +115,7 @@ def _digest(data) -> str:
 def train_graph_rise(
     manifest: Manifest,
     global_path: Path,
+    regions_path: Path | None,
     text_path: Path,
     scenegraphs: Path,
     cfg: GraphRiseConfig,
@@ -161,17 +185,29 @@ def train_graph_rise(
     source = Store.open(global_path, manifest_digest=manifest.digest)
     names = ["features", "valid", *(["projected"] if "projected" in source.fields else [])]
     data = source.read(0, len(source), names)
-    pooled, valid = data["features"].astype(np.float32), data["valid"].astype(bool)
+    pooled, pooled_valid = data["features"].astype(np.float32), data["valid"].astype(bool)
+    if cfg.input == "regions":
+        if regions_path is None:
+            raise GraphRiseError("graph_rise.input is regions: pass --regions (a regions store)")
+        inputs = Store.open(regions_path, manifest_digest=manifest.digest)
+        items, mask, valid = region_items(inputs)  # (N, R, D + 5), (N, R), (N,)
+        valid &= pooled_valid  # one test set for every vector compared below
+    else:
+        inputs, valid = source, pooled_valid
+        items, mask = pooled[:, None, :], np.ones((len(pooled), 1), bool)  # a set of one
     fit = train[valid[train]]  # valid train images; graph rows re-indexed onto them
     remap = np.full(len(train), -1)
     remap[valid[train]] = np.arange(len(fit))
     keep = (remap[src] >= 0) & (remap[dst] >= 0)
     g = Graph(remap[src[keep]], remap[dst[keep]], weight[keep], len(fit))
     identity = {
-        "config": cfg.model_dump(mode="json", exclude={"device", "precision_k", "output"}),
+        "config": cfg.model_dump(
+            mode="json", exclude={"device", "precision_k", "output", "compare_alpha"}
+        ),
         "labels": _digest(vocabulary),
         "graph": hashlib.sha256(weight.tobytes() + src.tobytes() + dst.tobytes()).hexdigest(),
-        "features": source.fingerprint,
+        "features": inputs.fingerprint,
+        "global": source.fingerprint,
     }
     device = resolve_device(cfg.device)
     if device.type == "cpu":
@@ -179,20 +215,32 @@ def train_graph_rise(
         # up to 9x (measured on the demo: 10.7 s against 1.2 s for 5 epochs, load ~10)
         torch.set_num_threads(1)
     model, history = train_head(
-        pooled[fit], targets[fit], g, cfg, cfg.alpha, identity, model_dir, resume, device, log
+        items[fit],
+        mask[fit],
+        targets[fit],
+        g,
+        cfg,
+        cfg.alpha,
+        identity,
+        model_dir,
+        resume,
+        device,
+        log,
     )
     save_torch({**identity, "state_dict": model.state_dict(), "history": history}, model_dir / HEAD)
-    embedding = embed(model, pooled)
+    embedding = embed(model, items, mask)
     embedding[~valid] = 0
 
     k = cfg.precision_k
     tv = test[valid[test]]
     precision = {"trained": G.label_precision(embedding[tv], targets[tv], k)}
-    if cfg.alpha > 0:
-        no_graph, _ = train_head(
-            pooled[fit], targets[fit], g, cfg, 0.0, identity, None, False, device, log
-        )
-        precision["alpha_0"] = G.label_precision(embed(no_graph, pooled[tv]), targets[tv], k)
+    other = 0.0 if cfg.alpha > 0 else cfg.compare_alpha
+    compared, _ = train_head(
+        items[fit], mask[fit], targets[fit], g, cfg, other, identity, None, False, device, log
+    )
+    precision[f"alpha_{other:g}"] = G.label_precision(
+        embed(compared, items[tv], mask[tv]), targets[tv], k
+    )
     if "projected" in data:
         precision["pca"] = G.label_precision(data["projected"][tv], targets[tv], k)
     precision["pooled"] = G.label_precision(pooled[tv], targets[tv], k)
@@ -207,20 +255,22 @@ def train_graph_rise(
                 f"{global_path}: no `projected` field for graph_rise.output pca; "
                 "set global.projection_dim"
             )
-        written = data["projected"]
+        written, valid, upstream = data["projected"], pooled_valid, source
     else:
-        written = embedding
+        written, upstream = embedding, inputs
     checkpoint = sha256_file(model_dir / HEAD)
     provenance = Provenance(
         f"graph-rise-{cfg.output}",
         VERSION,
         {
-            "config": cfg.model_dump(mode="json", exclude={"device", "precision_k"}),
+            "config": cfg.model_dump(
+                mode="json", exclude={"device", "precision_k", "compare_alpha"}
+            ),
             "labels": identity["labels"],
             "graph": identity["graph"],
             "checkpoint": checkpoint,
         },
-        source.fingerprint,
+        upstream.fingerprint,
         manifest.digest,
     )
     fields = {
