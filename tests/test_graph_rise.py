@@ -109,25 +109,49 @@ def test_head_pools_the_valid_items_by_mean_and_max():
         torch.testing.assert_close(got[b], want)
 
 
-def test_region_items_scale_boxes_by_the_image_size():
-    from features.images.graph_rise.stage import region_items
+def test_region_sets_scale_boxes_by_the_image_size_a_batch_at_a_time():
+    from features.images.graph_rise.stage import region_sets
 
-    class FakeStore:  # the regions store's fields, as Store.read returns them
+    fields = {  # the regions store's fields: image 0 has one region, image 1 none
+        "features": np.stack([np.ones((2, 3)), 2 * np.ones((2, 3))]).astype(np.float16),
+        "boxes": np.array([[[10, 20, 50, 60], [0, 0, 0, 0]]] * 2, np.float32),
+        "n_regions": np.array([1, 0]),
+        "image_hw": np.array([[100, 200], [10, 10]]),  # height 100, width 200
+        "valid": np.array([1, 1], np.uint8),
+    }
+
+    class FakeStore:  # Store.read / gather / fields over those arrays
         def __len__(self):
-            return 1
+            return 2
 
         def read(self, lo, hi, names):
-            return {
-                "features": np.ones((1, 2, 3), np.float16),
-                "boxes": np.array([[[10, 20, 50, 60], [0, 0, 0, 0]]], np.float32),
-                "n_regions": np.array([1]),
-                "image_hw": np.array([[100, 200]]),  # height 100, width 200
-                "valid": np.array([1], np.uint8),
-            }
+            return {n: fields[n][lo:hi] for n in names}
 
-    items, mask, valid = region_items(FakeStore())
-    np.testing.assert_allclose(items[0, 0], [1, 1, 1, 0.05, 0.2, 0.25, 0.6, 0.2 * 0.4])
-    assert mask.tolist() == [[True, False]] and not items[0, 1].any() and valid.tolist() == [True]
+        def gather(self, name, rows):
+            return fields[name][np.asarray(rows)]
+
+        @property
+        def fields(self):
+            return {n: type("Spec", (), {"shape": a.shape[1:]}) for n, a in fields.items()}
+
+    sets, valid = region_sets(FakeStore())
+    assert sets.dim == 3 + 5 and valid.tolist() == [True, False]  # no region: not valid
+    items, mask = sets.load(np.array([1, 0]))  # any order
+    np.testing.assert_allclose(items[1, 0], [1, 1, 1, 0.05, 0.2, 0.25, 0.6, 0.2 * 0.4])
+    assert mask.tolist() == [[False, False], [True, False]]
+    assert not items[0].any() and not items[1, 1].any()  # masked regions are zeros
+
+
+def test_item_statistics_merge_blocks_like_one_pass():
+    rng = np.random.default_rng(3)
+    feats = rng.normal(5.0, 2.0, (9, 4, 6)).astype(np.float32)  # (N, R, D)
+    mask = rng.random((9, 4)) < 0.6
+    mask[2] = False  # an image without regions
+    rows = np.array([8, 0, 2, 5, 3, 1, 7])
+    mean, std = M.item_statistics(M.ItemSets.of_arrays(feats, mask), rows, block=2)
+    valid = np.concatenate([feats[r][mask[r]] for r in rows]).astype(np.float64)
+    np.testing.assert_allclose(mean, valid.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(std, valid.std(0, ddof=1), rtol=1e-10)
 
 
 def test_label_loss_is_cross_entropy_against_the_label_distribution():
@@ -158,13 +182,18 @@ def tiny(seed=0):
     items = np.stack([x, rng.standard_normal(x.shape)], 1).astype(np.float32)  # (48, 2, 12)
     mask = np.ones((48, 2), bool)
     mask[::2, 1] = False
-    return (items, mask), labels, M.Graph(src, dst, w, 48), cfg
+    return M.ItemSets.of_arrays(items, mask), labels, M.Graph(src, dst, w, 48), cfg
+
+
+ROWS = np.arange(48)
 
 
 def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeypatch):
     x, y, g, cfg = tiny()
-    whole, hist = M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "a", log=lambda s: None)
-    again, _ = M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, None, log=lambda s: None)
+    whole, hist = M.train_head(
+        x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path / "a", log=lambda s: None
+    )
+    again, _ = M.train_head(x, ROWS, y, g, cfg, 1.0, {"run": 1}, None, log=lambda s: None)
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
     assert hist[-1]["graph"] > 0
@@ -178,23 +207,23 @@ def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeyp
 
     monkeypatch.setattr(M, "save_torch", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
+        M.train_head(x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
     monkeypatch.setattr(M, "save_torch", real_save)
     resumed, hist_b = M.train_head(
-        *x, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
+        x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
     )
     assert [h["epoch"] for h in hist_b] == [0, 1, 2]
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0)
-    emb = M.embed(resumed, *x)
+    emb = M.embed(resumed, x, ROWS)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1, rtol=1e-5)
 
 
 def test_resume_from_another_run_is_one_line(tmp_path):
     x, y, g, cfg = tiny()
-    M.train_head(*x, y, g, cfg, 1.0, {"run": 1}, tmp_path, log=lambda s: None)
+    M.train_head(x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path, log=lambda s: None)
     with pytest.raises(M.GraphRiseTrainingError) as err:
-        M.train_head(*x, y, g, cfg, 0.5, {"run": 1}, tmp_path, resume=True, log=lambda s: None)
+        M.train_head(x, ROWS, y, g, cfg, 0.5, {"run": 1}, tmp_path, resume=True, log=lambda s: None)
     message = str(err.value)
     assert "\n" not in message and "last.pt" in message and "alpha" in message
 
@@ -202,11 +231,11 @@ def test_resume_from_another_run_is_one_line(tmp_path):
 def test_regulariser_pulls_neighbours_together():
     x, y, g, cfg = tiny()
     cfg = cfg.model_copy(update={"epochs": 10})
-    off, _ = M.train_head(*x, y, g, cfg, 0.0, {}, None, log=lambda s: None)
-    on, _ = M.train_head(*x, y, g, cfg, 5.0, {}, None, log=lambda s: None)
+    off, _ = M.train_head(x, ROWS, y, g, cfg, 0.0, {}, None, log=lambda s: None)
+    on, _ = M.train_head(x, ROWS, y, g, cfg, 5.0, {}, None, log=lambda s: None)
 
     def edge_distance(model):
-        h = M.embed(model, *x)
+        h = M.embed(model, x, ROWS)
         src = np.repeat(np.arange(48), 3)  # knn_graph's sources, in order
         return float(np.mean([np.sum((h[i] - h[j]) ** 2) for i, j in zip(src, g.dst, strict=True)]))
 

@@ -53,10 +53,12 @@ def label_vocabulary(per_image: Sequence[set[tuple[str, str]]], min_images: int)
 
 
 def multi_hot(per_image: Sequence[set[tuple[str, str]]], vocabulary: Sequence[dict]) -> np.ndarray:
-    """(N, L) float32 indicator of each image's labels in ``vocabulary`` (others dropped)."""
+    """(N, L) uint8 indicator of each image's labels in ``vocabulary`` (others dropped;
+    uint8, not float32: COCO's train images x a label vocabulary in the tens of thousands
+    is gigabytes; the trainer makes floats a batch at a time)."""
     index = {(v["kind"], v["label"]): i for i, v in enumerate(vocabulary)}
-    out = np.zeros((len(per_image), len(vocabulary)), dtype=np.float32)
+    out = np.zeros((len(per_image), len(vocabulary)), dtype=np.uint8)
     for row, labels in enumerate(per_image):
         cols = [index[label] for label in labels if label in index]
-        out[row, cols] = 1.0
+        out[row, cols] = 1
     return out

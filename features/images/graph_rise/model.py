@@ -25,6 +25,7 @@ regulariser runs over every graph edge whose two ends are in the batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,42 @@ LAST = "last.pt"
 
 class GraphRiseTrainingError(UserError):
     """A run that cannot continue (a non-finite loss, a checkpoint of another run)."""
+
+
+@dataclass(frozen=True)
+class ItemSets:
+    """Item sets read on demand: ``load(rows)`` -> features ``(B, R, D)`` float32 and mask
+    ``(B, R)`` bool of those rows (any order), ``dim`` = D. The trainer and :func:`embed`
+    read a batch at a time, so no split's regions have to fit in memory (COCO's 123k images
+    x 36 regions x 2048 would be 36 GB as float32)."""
+
+    load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    dim: int
+
+    @classmethod
+    def of_arrays(cls, features: np.ndarray, mask: np.ndarray) -> ItemSets:
+        """Item sets held in memory: ``features (N, R, D)``, ``mask (N, R)``."""
+        return cls(lambda rows: (features[rows], mask[rows]), features.shape[-1])
+
+
+def item_statistics(items: ItemSets, rows: np.ndarray, block: int = 1024) -> tuple:
+    """Mean and unbiased std ``(D,)`` of the valid items of ``rows``, read ``block`` rows at
+    a time: each block's mean and sum of squared deviations merged into the running ones
+    (Chan, Golub and LeVeque's pairwise update), in float64; a std of 1 with fewer than 2
+    items."""
+    n, mean, m2 = 0, np.zeros(items.dim), np.zeros(items.dim)
+    for i in range(0, len(rows), block):
+        x, m = items.load(rows[i : i + block])
+        v = np.asarray(x[m], np.float64)  # (valid items, D)
+        if not len(v):
+            continue
+        nb, mb = len(v), v.mean(0)
+        delta, total = mb - mean, n + len(v)
+        mean = mean + delta * nb / total
+        m2 = m2 + ((v - mb) ** 2).sum(0) + delta**2 * n * nb / total
+        n = total
+    std = np.sqrt(m2 / (n - 1)) if n > 1 else np.ones(items.dim)
+    return mean, std
 
 
 class Head(nn.Module):
@@ -133,8 +170,8 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.nda
 
 
 def train_head(
-    features: np.ndarray,
-    mask: np.ndarray,
+    items: ItemSets,
+    rows: np.ndarray,
     targets: np.ndarray,
     graph: Graph,
     cfg,
@@ -145,22 +182,20 @@ def train_head(
     device: torch.device | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Head, list[dict]]:
-    """Train the head on the item sets ``features (N, R, D)``, ``mask (N, R)`` (train
-    images) with ``targets (N, L)`` and
-    the ``graph`` over the same rows (eq. 1 above); deterministic for a given ``cfg.seed``.
+    """Train the head on the item sets of ``rows`` (N train images of ``items``) with
+    ``targets (N, L)`` (multi-hot, any dtype) and the ``graph`` over positions in ``rows``
+    (eq. 1 above); deterministic for a given ``cfg.seed``.
     With ``out_dir``: ``last.pt`` after every epoch, and ``resume`` continues from it
     (bit-identical to an uninterrupted run; ``identity`` must match)."""
     device = device or torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = Head(features.shape[-1], cfg.hidden, cfg.dim, targets.shape[1])
-    x_all = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))  # (N, R, D)
-    m_all = torch.from_numpy(np.asarray(mask, dtype=bool))  # (N, R)
-    items = x_all[m_all]  # (valid items, D)
-    model.mean.copy_(items.mean(0))
-    model.std.copy_(items.std(0).nan_to_num(1.0).clamp_min(1e-6))
+    model = Head(items.dim, cfg.hidden, cfg.dim, targets.shape[1])
+    mean, std = item_statistics(items, rows)
+    model.mean.copy_(torch.from_numpy(mean))
+    model.std.copy_(torch.from_numpy(std).clamp_min(1e-6))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = cfg.epochs * -(-len(features) // cfg.batch_size)
+    steps = cfg.epochs * -(-len(rows) // cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
     identity = {**identity, "alpha": alpha}
     history: list[dict] = []
@@ -172,17 +207,16 @@ def train_head(
         )
         history, start = ckpt["history"], ckpt["epoch"] + 1
         log(f"graph-rise: resuming from {last} after epoch {ckpt['epoch']}")
-    x_all, m_all, y_all = x_all.to(device), m_all.to(device), torch.from_numpy(targets).to(device)
     for epoch in range(start, cfg.epochs):
         model.train()
         rng = np.random.default_rng([cfg.seed, epoch, 1])
         sums = {"loss": 0.0, "labels": 0.0, "graph": 0.0}
-        batches = epoch_batches(len(features), cfg.batch_size, cfg.seed, epoch)
+        batches = epoch_batches(len(rows), cfg.batch_size, cfg.seed, epoch)
         for seeds in batches:
-            rows, src, dst, w = pack_batch(seeds, graph, cfg.packed if alpha else 0, rng)
-            r = torch.from_numpy(rows).to(device)
-            h = model(x_all[r], m_all[r])  # (B, dim)
-            l_s = label_loss(model.classifier(h), y_all[r])
+            batch, src, dst, w = pack_batch(seeds, graph, cfg.packed if alpha else 0, rng)
+            x, m = (_tensor(a, device) for a in items.load(rows[batch]))  # (B, R, D), (B, R)
+            h = model(x.float(), m.bool())  # (B, dim)
+            l_s = label_loss(model.classifier(h), _tensor(targets[batch], device).float())
             l_g = graph_regulariser(
                 h,
                 torch.from_numpy(src).to(device),
@@ -222,16 +256,16 @@ def train_head(
     return model.eval(), history
 
 
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
 @torch.no_grad()
-def embed(model: Head, features: np.ndarray, mask: np.ndarray, batch: int = 4096) -> np.ndarray:
-    """(N, dim) float32 embeddings of the item sets ``features (N, R, D)``, ``mask (N, R)``."""
+def embed(model: Head, items: ItemSets, rows: np.ndarray, batch: int = 4096) -> np.ndarray:
+    """(len(rows), dim) float32 embeddings of the item sets of ``rows``, a batch at a time."""
     device = model.mean.device
-
-    def tensor(a: np.ndarray, dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)
-
-    out = [
-        model(tensor(features[i : i + batch], np.float32), tensor(mask[i : i + batch], bool))
-        for i in range(0, len(features), batch)
-    ]
+    out = []
+    for i in range(0, len(rows), batch):
+        x, m = items.load(rows[i : i + batch])
+        out.append(model(_tensor(x, device).float(), _tensor(m, device).bool()))
     return torch.cat(out).cpu().numpy() if out else np.zeros((0, model.mlp[-1].out_features))

@@ -36,6 +36,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from features.images.graph_rise import graph as G
 from features.images.graph_rise.labels import KINDS, image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.model import ItemSets
 from features.ingest.manifest import Manifest
 from features.scenegraph.files import read_graphs
 from features.store.reader import Store
@@ -93,19 +94,28 @@ def caption_vectors(text: Store, keys: list[str], dim: int) -> np.ndarray:
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
 
-def region_items(store: Store) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The regions store as item sets: ``(N, R, D + 5)`` each region's feature, its box
-    ``x1, y1, x2, y2`` over the image's width and height, and its area (of the image);
-    ``(N, R)`` the mask of its detected regions; ``(N,)`` valid."""
-    data = store.read(0, len(store), ["features", "boxes", "n_regions", "image_hw", "valid"])
-    h, w = data["image_hw"][:, 0:1].astype(np.float32), data["image_hw"][:, 1:2].astype(np.float32)
-    size = np.maximum(np.concatenate([w, h, w, h], 1), 1)[:, None, :]  # (N, 1, 4)
-    box = data["boxes"].astype(np.float32) / size  # (N, R, 4)
-    area = ((box[..., 2] - box[..., 0]) * (box[..., 3] - box[..., 1]))[..., None]  # (N, R, 1)
-    mask = np.arange(box.shape[1])[None] < data["n_regions"][:, None]  # (N, R)
-    items = np.concatenate([data["features"].astype(np.float32), box, area], -1)
-    items[~mask] = 0
-    return items, mask, data["valid"].astype(bool) & mask.any(1)
+def region_sets(store: Store) -> tuple[ItemSets, np.ndarray]:
+    """The regions store as item sets, read on demand (:class:`.model.ItemSets`): each
+    region's feature, its box ``x1, y1, x2, y2`` over the image's width and height, and its
+    area (of the image), ``(B, R, D + 5)``, with the ``(B, R)`` mask of its detected regions;
+    and ``(N,)`` valid (a valid image with at least one region)."""
+    meta = store.read(0, len(store), ["n_regions", "valid"])
+    n_regions = meta["n_regions"]
+
+    def load(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        hw = store.gather("image_hw", rows).astype(np.float32)  # (B, 2): height, width
+        h, w = hw[:, 0:1], hw[:, 1:2]
+        size = np.maximum(np.concatenate([w, h, w, h], 1), 1)[:, None, :]  # (B, 1, 4)
+        box = store.gather("boxes", rows).astype(np.float32) / size  # (B, R, 4)
+        area = ((box[..., 2] - box[..., 0]) * (box[..., 3] - box[..., 1]))[..., None]
+        mask = np.arange(box.shape[1])[None] < n_regions[rows][:, None]  # (B, R)
+        feats = store.gather("features", rows).astype(np.float32)  # (B, R, D)
+        items = np.concatenate([feats, box, area], -1)  # (B, R, D + 5)
+        items[~mask] = 0
+        return items, mask
+
+    dim = store.fields["features"].shape[-1] + 5
+    return ItemSets(load, dim), meta["valid"].astype(bool) & (n_regions > 0)
 
 
 def _digest(data) -> str:
@@ -190,11 +200,11 @@ def train_graph_rise(
         if regions_path is None:
             raise GraphRiseError("graph_rise.input is regions: pass --regions (a regions store)")
         inputs = Store.open(regions_path, manifest_digest=manifest.digest)
-        items, mask, valid = region_items(inputs)  # (N, R, D + 5), (N, R), (N,)
+        items, valid = region_sets(inputs)
         valid &= pooled_valid  # one test set for every vector compared below
     else:
         inputs, valid = source, pooled_valid
-        items, mask = pooled[:, None, :], np.ones((len(pooled), 1), bool)  # a set of one
+        items = ItemSets.of_arrays(pooled[:, None, :], np.ones((len(pooled), 1), bool))
     fit = train[valid[train]]  # valid train images; graph rows re-indexed onto them
     remap = np.full(len(train), -1)
     remap[valid[train]] = np.arange(len(fit))
@@ -215,8 +225,8 @@ def train_graph_rise(
         # up to 9x (measured on the demo: 10.7 s against 1.2 s for 5 epochs, load ~10)
         torch.set_num_threads(1)
     model, history = train_head(
-        items[fit],
-        mask[fit],
+        items,
+        fit,
         targets[fit],
         g,
         cfg,
@@ -228,19 +238,17 @@ def train_graph_rise(
         log,
     )
     save_torch({**identity, "state_dict": model.state_dict(), "history": history}, model_dir / HEAD)
-    embedding = embed(model, items, mask)
-    embedding[~valid] = 0
+    embedding = np.zeros((len(keys), cfg.dim), np.float32)  # zeros where invalid
+    embedding[valid] = embed(model, items, np.flatnonzero(valid))
 
     k = cfg.precision_k
     tv = test[valid[test]]
     precision = {"trained": G.label_precision(embedding[tv], targets[tv], k)}
     other = 0.0 if cfg.alpha > 0 else cfg.compare_alpha
     compared, _ = train_head(
-        items[fit], mask[fit], targets[fit], g, cfg, other, identity, None, False, device, log
+        items, fit, targets[fit], g, cfg, other, identity, None, False, device, log
     )
-    precision[f"alpha_{other:g}"] = G.label_precision(
-        embed(compared, items[tv], mask[tv]), targets[tv], k
-    )
+    precision[f"alpha_{other:g}"] = G.label_precision(embed(compared, items, tv), targets[tv], k)
     if "projected" in data:
         precision["pca"] = G.label_precision(data["projected"][tv], targets[tv], k)
     precision["pooled"] = G.label_precision(pooled[tv], targets[tv], k)
