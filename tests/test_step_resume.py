@@ -323,10 +323,11 @@ def test_a_background_write_holds_the_state_of_its_moment(tmp_path, monkeypatch)
     second save waits for the first write, so the file ends with the second."""
     import infra.resume
 
-    gate, events, real = threading.Event(), [], infra.resume.save_torch
+    gates, events, real = [threading.Event(), threading.Event()], [], infra.resume.save_torch
+    calls = iter(gates)
 
-    def held(obj, path):  # the writer thread, held until the test opens the gate
-        gate.wait(30)
+    def held(obj, path):  # the writer thread, each write held until the test opens its gate
+        next(calls).wait(30)
         real(obj, path)
         events.append(f"wrote {len(obj['history'])}")
 
@@ -338,10 +339,11 @@ def test_a_background_write_holds_the_state_of_its_moment(tmp_path, monkeypatch)
         weight.add_(100.0)  # the next optimizer steps, in place
         history.append({"loss": 0.5})
         assert not last.exists() and not events
-        threading.Timer(0.2, gate.set).start()
+        threading.Timer(0.2, gates[0].set).start()
         checkpoints.save({"state_dict": {"a": weight, "b": weight}, "history": history}, last)
         events.append("second save returned")
-        first = torch.load(last, weights_only=True)
+        first = torch.load(last, weights_only=True)  # the second write is still held
+        gates[1].set()
         checkpoints.wait()
     finally:
         checkpoints.close()
