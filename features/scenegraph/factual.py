@@ -227,7 +227,9 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
     if neutral:
         for o in raw.objects:
             words = o.replace("-", " ").split()
-            attributes.update((head(o), lemma(w, "NOUN")) for w in words[:-1])
+            # through the attributes' own lemmatisation: gold's (chair, leather) and the
+            # name "leather chair" give one tuple (as an adjective "leather" is "leath")
+            attributes.update((head(o), attribute(w)) for w in words[:-1])
         portions = {a for _, a in attributes if a in PORTION_NOUNS}
         objects -= portions
         relations = {r for r in relations if r[0] not in portions and r[2] not in portions}
