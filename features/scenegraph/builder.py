@@ -9,10 +9,12 @@ from features.scenegraph.lexicon import (
     COLLECTIVE_NOUNS,
     COLOURS,
     FRAME_NOUNS,
+    INTRANSITIVE_DEPS,
     LEXICAL_COMPOUNDS,
     NAME_DEPS,
     NOUNS,
     OBJECT_DEPS,
+    PARTICIPLES,
     PHRASE_WORDS,
     PLACING_VERBS,
     PREPOSITION_DEPS,
@@ -20,8 +22,10 @@ from features.scenegraph.lexicon import (
     QUANTITY_NOUNS,
     RELATIONAL_NOUNS,
     RELATIVE_PRONOUNS,
+    SHADES,
     SPECIAL_NOUNS,
     SUBJECT_PREPOSITIONS,
+    TRANSITIVE_VERBS,
     VERBS,
 )
 
@@ -100,6 +104,8 @@ class _Builder:
                     self._attributes(t)
             elif t.lemma == "be" and "acomp" in t.kids and t.pos in VERBS:
                 self._copula_attributes(t)
+            elif t.pos == "VERB" and t.tag in PARTICIPLES and INTRANSITIVE_DEPS.isdisjoint(t.kids):
+                self._state_attribute(t)
         for t in toks:
             dep = t.dep
             if dep in PREPOSITION_DEPS and "pobj" in t.kids:
@@ -283,9 +289,29 @@ class _Builder:
         participle = adjective.pos == "VERB" or adjective.tag in ("VBN", "VBG", "VBD")
         plain = participle or adjective.pos == "NUM"
         key = (self.index[obj_token], adjective.text, adjective.text if plain else adjective.lemma)
+        shade = self._shade(adjective)
+        if shade is not None:  # "dark green": one attribute
+            key = (key[0], f"{shade.text} {adjective.text}", f"{shade.text} {adjective.text}")
+        elif adjective.text in SHADES and any(
+            self._shade(c) is adjective for c in self._colour(adjective)
+        ):
+            return  # the colour after it carries the shade
         if key not in self.seen:
             self.seen.add(key)
             self.graph.attributes.append({"object": key[0], "attribute": key[1], "lemma": key[2]})
+
+    def _shade(self, colour: _Tok) -> _Tok | None:
+        """The shade word right before a colour that modifies it or the same word ("dark
+        green leaves", "leaves are dark green"), else None."""
+        if colour.text not in COLOURS or colour.i == 0:
+            return None
+        shade = self.toks[colour.i - 1]
+        if shade.text in SHADES and shade.head in (colour.i, colour.head):
+            return shade
+        return None
+
+    def _colour(self, shade: _Tok) -> list[_Tok]:
+        return self.toks[shade.i + 1 : shade.i + 2]
 
     def _attributes(self, noun: _Tok) -> None:
         for w in self.name_words[noun.i]:
@@ -311,6 +337,25 @@ class _Builder:
             for c in complements:
                 for a in self._conjuncts(c):
                     self._add_attribute(s, a)
+
+    def _state_attribute(self, verb: _Tok) -> None:
+        """A participle that relates its subject to nothing is a state of it: "three zebras
+        walking outside", "the train is stationed" -> (zebra, walking), (train, stationed)
+        (FACTUAL's convention, Li et al. 2023; a participle with an object or a
+        prepositional phrase makes relations instead)."""
+        if verb.dep not in ("ROOT", "acl", "conj") or any(
+            self._children(a, "prep") or a.text in PHRASE_WORDS
+            for a in self._children(verb, "advmod")
+        ):
+            return
+        if verb.lemma in TRANSITIVE_VERBS:  # "coat man is wearing": an object misparsed
+            return
+        subjects = self._subjects(verb)
+        before = self.toks[verb.i - 1] if verb.i else verb
+        if verb.dep == "acl" and before.dep == "pobj" and before.i in self.index:
+            subjects = [before.i]  # "legs on a man surfing", "a boat with its sail furled"
+        for s in subjects:
+            self._add_attribute(s, verb)
 
     # -- relations
 

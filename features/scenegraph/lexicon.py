@@ -82,6 +82,11 @@ QUANTIFIERS = {
 }
 
 
+# words that shade the colour after them: "dark green" is one attribute (FACTUAL's
+# annotators write it as one some three times in four)
+SHADES = {"dark", "light", "bright", "pale", "deep", "navy", "lime", "neon", "royal"}
+
+
 # colour words the tagger often reads as noun compounds ("an orange rhombus"): attributes
 COLOURS = {
     "red",
@@ -210,6 +215,20 @@ ING_NOUNS = {
 
 OBJECT_DEPS = frozenset(("dobj", "obj", "attr", "oprd", "dative"))
 
+
+PARTICIPLES = frozenset(("VBG", "VBN", "VBD"))
+
+# dependents that make a participle relate its subject to something (or say more of it)
+INTRANSITIVE_DEPS = frozenset(
+    ("dobj", "obj", "prep", "agent", "dative", "xcomp", "ccomp", "attr", "acomp", "oprd",
+     "prt", "advcl", "relcl", "npadvmod")
+)  # fmt: skip
+
+# verbs that take an object: without one the parse lost it, no state of the subject
+TRANSITIVE_VERBS = {
+    "wear", "hold", "carry", "ride", "use", "eat", "cover", "surround", "touch", "watch",
+    "follow", "chase", "support", "contain", "drive", "pull", "push", "throw", "catch",
+}  # fmt: skip
 
 NAME_DEPS = frozenset(("compound", "amod", "nmod"))  # a noun with these may be part of a name
 
