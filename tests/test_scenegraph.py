@@ -942,3 +942,23 @@ def test_worker_processes_give_the_same_rows(english):
     one = extract_scene_graphs(manifest, nlp, ScenegraphConfig(batch_size=4))
     two = extract_scene_graphs(manifest, nlp, ScenegraphConfig(batch_size=4, n_process=2))
     assert one.rows == two.rows and one.summary == two.summary
+
+
+# FACTUAL's conventions the rules follow (issue 28, round 4): a shade and its colour are one
+# attribute; a participle that relates its subject to nothing is a state of the subject.
+STATES = [
+    ("dark green leaves on the tree", {("leaf", "dark green")}, {("leaf", "green")}),
+    ("the leaves are dark green", {("leaf", "dark green")}, {("leaf", "dark")}),
+    ("three zebras walking outside", {("zebra", "walking")}, set()),
+    ("pole behind man skateboarding", {("man", "skateboarding")}, {("pole", "skateboarding")}),
+    ("coat man is wearing", set(), {("coat man", "wearing")}),
+    ("a cat sitting next to a dog", {("cat", "sit next to", "dog")}, {("cat", "sitting")}),
+]
+
+
+@pytest.mark.parametrize("caption, wanted, unwanted", STATES, ids=[r[0] for r in STATES])
+def test_shades_and_states_of_the_rules(english, caption, wanted, unwanted):
+    nlp, _ = english
+    got = _flat(Parser.for_pipeline(nlp, "off")(nlp(normalise_case(caption))))
+    assert wanted <= got, sorted(map(str, got))
+    assert not unwanted & got, sorted(map(str, got))

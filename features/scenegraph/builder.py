@@ -34,9 +34,7 @@ from features.scenegraph.lexicon import (
 class SceneGraph:
     objects: list[dict] = field(default_factory=list)  # {"span", "head", "lemma"}
     attributes: list[dict] = field(default_factory=list)  # {"object", "attribute", "lemma"}
-    relations: list[dict] = field(
-        default_factory=list
-    )  # {"subject", "relation", "lemma", "object"}
+    relations: list[dict] = field(default_factory=list)  # subject, relation, lemma, object
 
     def lemma_tuples(self) -> tuple[set, set, set]:
         """The graph as SPICE-style tuples of lemmas, for evaluation."""
@@ -289,29 +287,22 @@ class _Builder:
         participle = adjective.pos == "VERB" or adjective.tag in ("VBN", "VBG", "VBD")
         plain = participle or adjective.pos == "NUM"
         key = (self.index[obj_token], adjective.text, adjective.text if plain else adjective.lemma)
-        shade = self._shade(adjective)
-        if shade is not None:  # "dark green": one attribute
-            key = (key[0], f"{shade.text} {adjective.text}", f"{shade.text} {adjective.text}")
-        elif adjective.text in SHADES and any(
-            self._shade(c) is adjective for c in self._colour(adjective)
-        ):
+        if self._shades(adjective.i - 1):  # "dark green": one attribute
+            key = (key[0], *[f"{self.toks[adjective.i - 1].text} {adjective.text}"] * 2)
+        elif self._shades(adjective.i):
             return  # the colour after it carries the shade
         if key not in self.seen:
             self.seen.add(key)
             self.graph.attributes.append({"object": key[0], "attribute": key[1], "lemma": key[2]})
 
-    def _shade(self, colour: _Tok) -> _Tok | None:
-        """The shade word right before a colour that modifies it or the same word ("dark
-        green leaves", "leaves are dark green"), else None."""
-        if colour.text not in COLOURS or colour.i == 0:
-            return None
-        shade = self.toks[colour.i - 1]
-        if shade.text in SHADES and shade.head in (colour.i, colour.head):
-            return shade
-        return None
-
-    def _colour(self, shade: _Tok) -> list[_Tok]:
-        return self.toks[shade.i + 1 : shade.i + 2]
+    def _shades(self, i: int) -> bool:
+        """Whether token ``i`` shades the colour after it: "dark green leaves", "are dark green"."""
+        if not 0 <= i < len(self.toks) - 1:
+            return False
+        shade, colour = self.toks[i], self.toks[i + 1]
+        return (
+            shade.text in SHADES and colour.text in COLOURS and shade.head in (i + 1, colour.head)
+        )
 
     def _attributes(self, noun: _Tok) -> None:
         for w in self.name_words[noun.i]:
@@ -339,22 +330,14 @@ class _Builder:
                     self._add_attribute(s, a)
 
     def _state_attribute(self, verb: _Tok) -> None:
-        """A participle that relates its subject to nothing is a state of it: "three zebras
-        walking outside", "the train is stationed" -> (zebra, walking), (train, stationed)
-        (FACTUAL's convention, Li et al. 2023; a participle with an object or a
-        prepositional phrase makes relations instead)."""
-        if verb.dep not in ("ROOT", "acl", "conj") or any(
-            self._children(a, "prep") or a.text in PHRASE_WORDS
-            for a in self._children(verb, "advmod")
-        ):
-            return
-        if verb.lemma in TRANSITIVE_VERBS:  # "coat man is wearing": an object misparsed
-            return
-        subjects = self._subjects(verb)
-        before = self.toks[verb.i - 1] if verb.i else verb
-        if verb.dep == "acl" and before.dep == "pobj" and before.i in self.index:
-            subjects = [before.i]  # "legs on a man surfing", "a boat with its sail furled"
-        for s in subjects:
+        """A participle relating its subject to nothing is its state: "zebras walking outside"."""
+        if verb.dep not in ("ROOT", "acl", "conj") or verb.lemma in TRANSITIVE_VERBS:
+            return  # "coat man is wearing": the object misparsed
+        if any(a.text in PHRASE_WORDS or "prep" in a.kids for a in verb.kids.get("advmod", ())):
+            return  # "standing next to"
+        near = verb.i - 1
+        acl = verb.dep == "acl" and self.toks[near].dep == "pobj" and near in self.index
+        for s in [near] if acl else self._subjects(verb):  # "pole behind man skateboarding"
             self._add_attribute(s, verb)
 
     # -- relations
