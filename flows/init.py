@@ -189,9 +189,10 @@ def real_params(plan: Plan) -> dict:
     else:
         choose(
             "models.ablations",
-            {"huse-pca": {"model": "huse", "store": "global"}},
-            "HUSE trained again on the global store's PCA-64: the report shows it beside "
-            "HUSE on the Graph-RISE embedding, what the trained input adds",
+            {"huse-pooled": {"model": "huse", "store": "global"}},
+            "HUSE trained again on the global store's pooled trunk feature (what public HUSE "
+            "re-implementations feed it): the report shows it beside HUSE on the Graph-RISE "
+            "embedding, what the trained input adds",
         )
     per_model = {}
     if "camera" in plan.models:

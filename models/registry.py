@@ -77,7 +77,7 @@ def check_enabled(enabled: dict[str, str]) -> dict[str, str]:
 class Ablation(Section):
     """One entry of ``models.ablations``: model ``model`` trained and evaluated again on
     image store ``store`` (stages ``train-ablation@<run>``, ``evaluate-ablation@<run>``),
-    its results a row of the report beside the model's own, e.g. HUSE on PCA-64 beside
+    its results a row of the report beside the model's own, e.g. HUSE on the pooled trunk feature beside
     HUSE on the Graph-RISE embedding."""
 
     model: str
@@ -93,7 +93,7 @@ def check_ablations(enabled: dict[str, str], ablations: dict[str, Ablation]) -> 
     for run, a in ablations.items():
         where = f"ablations.{run}"
         if not RUN_NAME.fullmatch(run):
-            raise ValueError(f"{where}: name a run with a-z, 0-9, '-' and '_' (e.g. huse-pca)")
+            raise ValueError(f"{where}: name a run with a-z, 0-9, '-' and '_' (e.g. huse-pooled)")
         if run in enabled:
             raise ValueError(f"{where}: {run} is a model of models.enabled; name the run apart")
         if a.model not in enabled:

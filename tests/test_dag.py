@@ -158,7 +158,7 @@ def test_the_models_of_the_dag_are_one_list_in_params(tmp_path):
 
     params = (REPO / "params.yaml").read_text()
     assert yaml.safe_load(params)["models"]["enabled"] == PAPER_STORES
-    line = "    huse: graph_rise       # or global (the grid's pooled PCA)\n"
+    line = "    huse: graph_rise       # or global (the pooled trunk feature)\n"
     ablation = "  ablations:               # more rows for the report ({} for none)"
     assert params.count(line) == params.count(ablation) == 1
     params = re.sub(re.escape(ablation) + r".*\n.*\n", "  ablations: {}\n", params)
@@ -191,7 +191,7 @@ def test_the_models_of_the_dag_are_one_list_in_params(tmp_path):
 
 
 def test_an_ablation_is_trained_and_evaluated_on_its_store_and_reported(tmp_path, monkeypatch):
-    """`models.ablations` of params.yaml (the demo: huse-pca, HUSE on the PCA-64 global
+    """`models.ablations` of params.yaml (the demo: huse-pooled, HUSE on the global
     store): DVC's parsed stages train and evaluate the run's model on the run's store into
     files named after the run, which the report reads beside the enabled models'."""
     from dvc.repo import Repo
@@ -199,26 +199,26 @@ def test_an_ablation_is_trained_and_evaluated_on_its_store_and_reported(tmp_path
     from flows.commands.report import run_report
     from flows.params import load_params
 
-    assert load_params(REPO / "params.yaml").models.ablations["huse-pca"].model_dump() == {
+    assert load_params(REPO / "params.yaml").models.ablations["huse-pooled"].model_dump() == {
         "model": "huse",
         "store": "global",
     }
     with Repo(str(REPO)) as repo:
         stages = {s.addressing: s for s in repo.index.stages}
-    train = shlex.split(stages["train-ablation@huse-pca"].cmd)
-    evaluate = shlex.split(stages["evaluate-ablation@huse-pca"].cmd)
+    train = shlex.split(stages["train-ablation@huse-pooled"].cmd)
+    evaluate = shlex.split(stages["evaluate-ablation@huse-pooled"].cmd)
     assert train[2] == evaluate[2] == "huse"
     for argv in (train, evaluate):
         assert argv[argv.index("--global") + 1] == "data/features/global.zarr"
         assert "--graph_rise" not in argv
-    assert train[train.index("--out") + 1] == "data/models/huse-pca"
-    assert evaluate[evaluate.index("--checkpoint") + 1] == "data/models/huse-pca/best.pt"
-    assert evaluate[evaluate.index("--name") + 1] == "huse-pca"
+    assert train[train.index("--out") + 1] == "data/models/huse-pooled"
+    assert evaluate[evaluate.index("--checkpoint") + 1] == "data/models/huse-pooled/best.pt"
+    assert evaluate[evaluate.index("--name") + 1] == "huse-pooled"
     out = evaluate[evaluate.index("--out") + 1]
     assert Path(out).parent == Path(shlex.split(stages["report"].cmd)[2])
-    assert "models/huse.py" in _paths(stages["train-ablation@huse-pca"].deps)
-    assert "data/features/global.zarr" in _paths(stages["evaluate-ablation@huse-pca"].deps)
-    assert "models.huse" in stages["train-ablation@huse-pca"].deps[-1].params
+    assert "models/huse.py" in _paths(stages["train-ablation@huse-pooled"].deps)
+    assert "data/features/global.zarr" in _paths(stages["evaluate-ablation@huse-pooled"].deps)
+    assert "models.huse" in stages["train-ablation@huse-pooled"].deps[-1].params
     assert "models.ablations" in stages["report"].deps[-1].params
     seen = {}
 
@@ -233,7 +233,7 @@ def test_an_ablation_is_trained_and_evaluated_on_its_store_and_reported(tmp_path
         Path(folder).mkdir()
     monkeypatch.setattr("models.report.table.write_report", write_report)
     run_report(args, load_params(REPO / "params.yaml"))
-    names = [*PAPER_STORES, "huse-pca"]
+    names = [*PAPER_STORES, "huse-pooled"]
     assert seen["results"] == [tmp_path / "r" / f"{n}.json" for n in names]
     assert seen["histories"] == [tmp_path / "h" / f"{n}.json" for n in names]
 
@@ -241,7 +241,10 @@ def test_an_ablation_is_trained_and_evaluated_on_its_store_and_reported(tmp_path
 @pytest.mark.parametrize(
     "ablations, message",
     [
-        ({"huse-pca": {"model": "huse", "store": "grid"}}, "huse reads the global or graph_rise"),
+        (
+            {"huse-pooled": {"model": "huse", "store": "grid"}},
+            "huse reads the global or graph_rise",
+        ),
         ({"huse": {"model": "huse", "store": "global"}}, "huse is a model of models.enabled"),
         ({"h": {"model": "huse", "store": "graph_rise"}}, "huse already reads graph_rise"),
         ({"H P": {"model": "huse", "store": "global"}}, "name a run with a-z"),
