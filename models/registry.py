@@ -77,8 +77,8 @@ def check_enabled(enabled: dict[str, str]) -> dict[str, str]:
 class Ablation(Section):
     """One entry of ``models.ablations``: model ``model`` trained and evaluated again on
     image store ``store`` (stages ``train-ablation@<run>``, ``evaluate-ablation@<run>``),
-    its results a row of the report beside the model's own, e.g. HUSE on the pooled trunk feature beside
-    HUSE on the Graph-RISE embedding."""
+    its results a row of the report beside the model's own, e.g. HUSE on the pooled trunk
+    feature beside HUSE on the Graph-RISE embedding."""
 
     model: str
     store: str

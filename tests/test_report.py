@@ -133,9 +133,9 @@ def test_markdown_table_without_results():
 
 
 def test_an_ablation_is_a_row_of_its_own_beside_its_model():
-    """A run of models.ablations (e.g. HUSE on the pooled feature beside HUSE on Graph-RISE) is a row
-    under its run name in both tables, named with its model and store below the table; the
-    papers' row of the model is shown once."""
+    """A run of models.ablations (e.g. HUSE on the pooled feature beside HUSE on Graph-RISE)
+    is a row under its run name in both tables, named with its model and store below the
+    table; the papers' row of the model is shown once."""
     pca = RESULTS["huse"] | {"model": "huse", "image_store": "global.zarr"}
     pca = pca | {"full": full((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))}
     table = markdown_table({"huse": RESULTS["huse"] | {"model": "huse"}, "huse-pooled": pca})
