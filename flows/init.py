@@ -186,6 +186,14 @@ def real_params(plan: Plan) -> dict:
             "no class labels in the annotations ('class_names' and a 'label' per image): "
             "HUSE's losses need them (add them to train HUSE)",
         )
+    else:
+        choose(
+            "models.ablations",
+            {"huse-pooled": {"model": "huse", "store": "global"}},
+            "HUSE trained again on the global store's pooled trunk feature (what public HUSE "
+            "re-implementations feed it): the report shows it beside HUSE on the Graph-RISE "
+            "embedding, what the trained input adds",
+        )
     per_model = {}
     if "camera" in plan.models:
         per_model["camera"] = CAMERA_COCO if plan.dataset == "coco" else CAMERA_FLICKR

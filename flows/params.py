@@ -20,11 +20,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, Field, ValidationError, create_model
+from pydantic import AfterValidator, Field, ValidationError, create_model, model_validator
 
 from infra.config import ConfigError, Section, format_errors
 
 MODELS = "models.registry"  # section `models`: one section per model, models.<name>
+
+
+class ModelsSection(Section):
+    """Base of section ``models``: checks ``ablations`` against ``enabled``."""
+
+    @model_validator(mode="after")
+    def _ablations_of_enabled(self):
+        importlib.import_module(MODELS).check_ablations(self.enabled, self.ablations)
+        return self
 
 
 @functools.cache
@@ -43,18 +52,20 @@ def sections() -> dict[str, str]:
 
 def section_class(name: str) -> type[Section]:
     """The typed model of section ``name``; ``models`` holds one section per model and
-    ``enabled``, the models of the DAG (model -> the image store it reads)."""
+    ``enabled``, the models of the DAG (model -> the image store it reads), and
+    ``ablations``, more runs of them on other stores (run -> model and store)."""
     if name == "models":
         registry = importlib.import_module(MODELS)
         model_class = registry.model_class
         every = {m: registry.model_store(m) for m in registry.MODEL_NAMES}
         enabled = Annotated[dict[str, str], AfterValidator(registry.check_enabled)]
         fields: dict[str, Any] = {"enabled": (enabled, Field(default_factory=lambda: dict(every)))}
+        fields["ablations"] = (dict[str, registry.Ablation], Field(default_factory=dict))
         fields |= {
             m: (model_class(m).Config, Field(default_factory=model_class(m).Config))
             for m in registry.MODEL_NAMES
         }
-        return create_model("ModelsConfig", __base__=Section, **fields)
+        return create_model("ModelsConfig", __base__=ModelsSection, **fields)
     module, _, cls = sections()[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 

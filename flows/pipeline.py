@@ -135,23 +135,26 @@ def resumable(last: Path, model: str, config: dict) -> bool:
     return ckpt["model"] == model and ckpt["config"] == config
 
 
-def set_aside_preempted(root: str, model: str) -> dict:
-    """A preempted ``train@<model>`` left ``last.pt`` in its output folder, which ``dvc
-    repro`` removes before it runs the stage again: a compatible one (same model and
-    params) is copied aside and named to ``vse train`` by ``VSE_TRAIN_RESUME_FROM``, so
-    the rerun resumes (:func:`flows.commands.train.run_train`). The environment for the
-    stage (empty when there is nothing to resume)."""
+def set_aside_preempted(root: str, stage: str) -> dict:
+    """A preempted ``train@<model>`` (or ``train-ablation@<run>``) left ``last.pt`` in its
+    output folder, which ``dvc repro`` removes before it runs the stage again: a
+    compatible one (same model and params) is copied aside and named to ``vse train`` by
+    ``VSE_TRAIN_RESUME_FROM``, so the rerun resumes
+    (:func:`flows.commands.train.run_train`). The environment for the stage (empty when
+    there is nothing to resume)."""
     from flows.params import load_params
 
     params = load_params(Path(root) / "params.yaml")
+    run = stage.split("@", 1)[1]
+    model = params.models.ablations[run].model if stage.startswith("train-ablation@") else run
     config = getattr(params.models, model).model_dump()
-    for out in stage_metrics(root, f"train@{model}", metric=False):
+    for out in stage_metrics(root, stage, metric=False):
         last = out / "last.pt"
         if resumable(last, model, config):
-            aside = Path(root) / ".dvc" / "tmp" / "vse-resume" / f"{model}.pt"
+            aside = Path(root) / ".dvc" / "tmp" / "vse-resume" / f"{run}.pt"
             aside.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(last, aside)
-            get_run_logger().info("%s: resuming the preempted run from %s", model, last)
+            get_run_logger().info("%s: resuming the preempted run from %s", run, last)
             return {RESUME_FROM: str(aside)}
     return {}
 
@@ -160,14 +163,14 @@ def set_aside_preempted(root: str, model: str) -> dict:
 def run_stage(stage: str, root: str, env: dict | None = None, resume: bool = False) -> str:
     """One DVC stage: "skipped" when up to date, else "ran" (run, or its outputs restored
     from the run cache). ``env`` adds environment variables for the stage's command (e.g.
-    its Dask cluster). With ``resume``, a ``train@<model>`` stage goes on from the
+    its Dask cluster). With ``resume``, a training stage goes on from the
     ``last.pt`` a preempted run of it left (:func:`set_aside_preempted`): on a rerun of
     the flow, and on this task's retry after the trainer exited 75."""
     if up_to_date(stage, root):
         get_run_logger().info("%s: up to date, skipped", stage)
         return "skipped"
-    model = stage.split("@", 1)[1] if stage.startswith("train@") else None
-    aside = set_aside_preempted(root, model) if resume and model else {}
+    training = stage.startswith(("train@", "train-ablation@"))
+    aside = set_aside_preempted(root, stage) if resume and training else {}
     try:
         _dvc(["repro", "--single-item", stage], root, stage, {**(env or {}), **aside})
     finally:

@@ -83,6 +83,8 @@ def format_errors(error: ValidationError, model: type[BaseModel], source: str) -
                 message += f" (known keys: {', '.join(sorted(set(known)))})"
         elif item["type"] == "missing":
             message = "missing key"
+        elif item["type"] == "value_error" and isinstance(item.get("input"), dict):
+            message = str(item["ctx"]["error"])  # a whole section's check names its keys
         else:
             message = f"{' '.join(str(item['msg']).split())} (got {item.get('input')!r:.200})"
         lines.append(f"{source}: {path}: {message}")

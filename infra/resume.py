@@ -208,11 +208,14 @@ class StepCheckpoints:
                 "checkpoint before it is kept)"
             )
 
-    def wait(self) -> None:
-        """Wait for the write in progress; a failed write is one line ``error``."""
+    def _join(self) -> None:
         if self._writing is not None:
             self._writing.join()
             self._writing = None
+
+    def wait(self) -> None:
+        """Wait for the write in progress; a failed write is one line ``error``."""
+        self._join()
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise self.error(failed)
@@ -231,9 +234,7 @@ class StepCheckpoints:
     def close(self) -> None:
         """Restore the signal handlers; a write in progress finishes (a failure of it is
         not raised here: :meth:`wait` raises it; this runs on the way out of any error)."""
-        if self._writing is not None:
-            self._writing.join()
-            self._writing = None
+        self._join()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -8,6 +8,7 @@ Model files are imported when a model is asked for, so code that handles one mod
 from __future__ import annotations
 
 import importlib
+import re
 
 from infra.config import Section
 
@@ -71,3 +72,36 @@ def check_enabled(enabled: dict[str, str]) -> dict[str, str]:
             known = " or ".join(model_stores(name))
             raise ValueError(f"{name} reads the {known} store, not {store!r}")
     return enabled
+
+
+class Ablation(Section):
+    """One entry of ``models.ablations``: model ``model`` trained and evaluated again on
+    image store ``store`` (stages ``train-ablation@<run>``, ``evaluate-ablation@<run>``),
+    its results a row of the report beside the model's own, e.g. HUSE on the pooled trunk
+    feature beside HUSE on the Graph-RISE embedding."""
+
+    model: str
+    store: str
+
+
+RUN_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a file and DVC stage name
+
+
+def check_ablations(enabled: dict[str, str], ablations: dict[str, Ablation]) -> None:
+    """``models.ablations``: each run named like a file, a model of ``models.enabled`` (the
+    row it is compared with) on a store that model can read, not the one it reads there."""
+    for run, a in ablations.items():
+        where = f"ablations.{run}"
+        if not RUN_NAME.fullmatch(run):
+            raise ValueError(f"{where}: name a run with a-z, 0-9, '-' and '_' (e.g. huse-pooled)")
+        if run in enabled:
+            raise ValueError(f"{where}: {run} is a model of models.enabled; name the run apart")
+        if a.model not in enabled:
+            raise ValueError(
+                f"{where}: {a.model} is not in models.enabled; add it or delete this run"
+            )
+        if a.store not in model_stores(a.model):
+            known = " or ".join(model_stores(a.model))
+            raise ValueError(f"{where}: {a.model} reads the {known} store, not {a.store!r}")
+        if a.store == enabled[a.model]:
+            raise ValueError(f"{where}: {a.model} already reads {a.store} in models.enabled")

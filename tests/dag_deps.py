@@ -109,12 +109,16 @@ def stage_code_deps(stage) -> set[str]:
 
 def write_code_deps(path: Path = REPO / "dvc.yaml") -> None:
     """Replace the ``.py`` deps of each stage of ``path`` by the derived ones; a ``foreach``
-    stage lists what its items share, with ``${key}`` for the one file named after the
-    item (the model's)."""
+    stage lists what its items share, with ``${key}`` (or ``${item.model}``, where the
+    item names its model) for the one file of the item's model."""
     derived: dict[str, set[str]] = {}
     for name, stage in stages().items():
         base, _, key = name.partition("@")
-        deps = {p.replace(f"/{key}.py", "/${key}.py") if key else p for p in stage_code_deps(stage)}
+        model = getattr(command_of(shlex.split(stage.cmd)), "model", None)
+        deps = stage_code_deps(stage)
+        if key and model:
+            item = "${key}" if model == key else "${item.model}"
+            deps = {p.replace(f"models/{model}.py", f"models/{item}.py") for p in deps}
         if base in derived and derived[base] != deps:
             sys.exit(f"stage {base}: its items run different code: {derived[base] ^ deps}")
         derived[base] = deps

@@ -5,6 +5,7 @@ keeps its run-cache entry (no `persist`)."""
 import ast
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -157,8 +158,10 @@ def test_the_models_of_the_dag_are_one_list_in_params(tmp_path):
 
     params = (REPO / "params.yaml").read_text()
     assert yaml.safe_load(params)["models"]["enabled"] == PAPER_STORES
-    line = "    huse: graph_rise       # or global (the grid's pooled PCA)\n"
-    assert params.count(line) == 1
+    line = "    huse: graph_rise       # or global (the pooled trunk feature)\n"
+    ablation = "  ablations:               # more rows for the report ({} for none)"
+    assert params.count(line) == params.count(ablation) == 1
+    params = re.sub(re.escape(ablation) + r".*\n.*\n", "  ablations: {}\n", params)
     (tmp_path / "params.yaml").write_text(params.replace(line, ""))
     (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
     Repo.init(str(tmp_path), no_scm=True).close()
@@ -185,6 +188,77 @@ def test_the_models_of_the_dag_are_one_list_in_params(tmp_path):
         assert got == [tmp_path / folder / f"{m}.json" for m in kept]
         assert folder in _paths(stages["report"].deps)
     assert "models.enabled" in stages["report"].deps[-1].params
+
+
+def test_an_ablation_is_trained_and_evaluated_on_its_store_and_reported(tmp_path, monkeypatch):
+    """`models.ablations` of params.yaml (the demo: huse-pooled, HUSE on the global
+    store): DVC's parsed stages train and evaluate the run's model on the run's store into
+    files named after the run, which the report reads beside the enabled models'."""
+    from dvc.repo import Repo
+
+    from flows.commands.report import run_report
+    from flows.params import load_params
+
+    assert load_params(REPO / "params.yaml").models.ablations["huse-pooled"].model_dump() == {
+        "model": "huse",
+        "store": "global",
+    }
+    with Repo(str(REPO)) as repo:
+        stages = {s.addressing: s for s in repo.index.stages}
+    train = shlex.split(stages["train-ablation@huse-pooled"].cmd)
+    evaluate = shlex.split(stages["evaluate-ablation@huse-pooled"].cmd)
+    assert train[2] == evaluate[2] == "huse"
+    for argv in (train, evaluate):
+        assert argv[argv.index("--global") + 1] == "data/features/global.zarr"
+        assert "--graph_rise" not in argv
+    assert train[train.index("--out") + 1] == "data/models/huse-pooled"
+    assert evaluate[evaluate.index("--checkpoint") + 1] == "data/models/huse-pooled/best.pt"
+    assert evaluate[evaluate.index("--name") + 1] == "huse-pooled"
+    out = evaluate[evaluate.index("--out") + 1]
+    assert Path(out).parent == Path(shlex.split(stages["report"].cmd)[2])
+    assert "models/huse.py" in _paths(stages["train-ablation@huse-pooled"].deps)
+    assert "data/features/global.zarr" in _paths(stages["evaluate-ablation@huse-pooled"].deps)
+    assert "models.huse" in stages["train-ablation@huse-pooled"].deps[-1].params
+    assert "models.ablations" in stages["report"].deps[-1].params
+    seen = {}
+
+    def write_report(results, out, plot, histories, curves):
+        seen.update(results=results, histories=histories)
+        return ""
+
+    args = type("Args", (), {"galleries": None, "out": "o.md", "plot": "p.png"})()
+    args.curves = "c.png"
+    args.results, args.histories = [str(tmp_path / "r")], [str(tmp_path / "h")]
+    for folder in (*args.results, *args.histories):
+        Path(folder).mkdir()
+    monkeypatch.setattr("models.report.table.write_report", write_report)
+    run_report(args, load_params(REPO / "params.yaml"))
+    names = [*PAPER_STORES, "huse-pooled"]
+    assert seen["results"] == [tmp_path / "r" / f"{n}.json" for n in names]
+    assert seen["histories"] == [tmp_path / "h" / f"{n}.json" for n in names]
+
+
+@pytest.mark.parametrize(
+    "ablations, message",
+    [
+        (
+            {"huse-pooled": {"model": "huse", "store": "grid"}},
+            "huse reads the global or graph_rise",
+        ),
+        ({"huse": {"model": "huse", "store": "global"}}, "huse is a model of models.enabled"),
+        ({"h": {"model": "huse", "store": "graph_rise"}}, "huse already reads graph_rise"),
+        ({"H P": {"model": "huse", "store": "global"}}, "name a run with a-z"),
+        ({"v": {"model": "vsep", "store": "global"}}, "vsep is not in models.enabled"),
+    ],
+)
+def test_models_ablations_are_checked(tmp_path, ablations, message):
+    from flows.params import load_params
+    from infra.config import ConfigError
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"models": {"ablations": ablations}}))
+    with pytest.raises(ConfigError, match="models: ablations") as err:
+        load_params(tmp_path / "params.yaml")
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

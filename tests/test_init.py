@@ -24,7 +24,7 @@ SPLITS = ["train", "train", "val", "val", "test", "test"]
 
 def flat(node, prefix="") -> dict:
     """``{"a.b": value}`` of nested mappings (lists and model mappings as values)."""
-    if isinstance(node, dict) and not prefix.endswith(("enabled", "per_model")):
+    if isinstance(node, dict) and not prefix.endswith(("enabled", "ablations", "per_model")):
         out = {}
         for key, value in node.items():
             out |= flat(value, f"{prefix}.{key}" if prefix else key)
@@ -142,6 +142,9 @@ def test_labels_keep_huse_and_boxes_keep_the_detector(root):
 
     params, lines = generated(root, "coco", labels=True, boxes=True)
     assert "huse" in params["models"]["enabled"] and "detector" in params
+    pca = {"model": "huse", "store": "global"}  # HUSE's input ablation, with its reason
+    assert params["models"]["ablations"] == {"huse-pooled": pca}
+    assert any(line.startswith("models.ablations: ") and "pooled" in line for line in lines)
     assert params["regions"]["architecture"] == params["detector"]["architecture"]
     assert params["grid"]["architecture"] == "resnet101"  # the detector's trunk
     dag = YAML(typ="safe").load((root / "dvc.yaml").read_text())

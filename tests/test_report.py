@@ -132,6 +132,19 @@ def test_markdown_table_without_results():
     assert markdown_table({}) == "_no evaluation results_\n"
 
 
+def test_an_ablation_is_a_row_of_its_own_beside_its_model():
+    """A run of models.ablations (e.g. HUSE on the pooled feature beside HUSE on Graph-RISE)
+    is a row under its run name in both tables, named with its model and store below the
+    table; the papers' row of the model is shown once."""
+    pca = RESULTS["huse"] | {"model": "huse", "image_store": "global.zarr"}
+    pca = pca | {"full": full((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))}
+    table = markdown_table({"huse": RESULTS["huse"] | {"model": "huse"}, "huse-pooled": pca})
+    assert "| huse-pooled | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 21.0 | - | 8.3 | - | - |" in table
+    assert "| huse-pooled | 50.0 | 62.5 | 75.0 | 75.0 | 62.5 | 50.0 | 12.5 |" in table
+    assert "Ablations (`models.ablations`): huse-pooled is huse on global.zarr." in table
+    assert table.count("| huse | UPMC Food-101") == 1
+
+
 # as printed in each paper's table (../shared/papers): i2t R@1/5/10, t2i R@1/5/10
 PAPERS = {
     "vsepp": ("UniVSE Table 1", "57.7 | 86.0 | 94.0 | 42.8 | 77.2 | 87.4"),  # VSE++ [11, 2], 1K

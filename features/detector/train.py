@@ -245,8 +245,8 @@ def _train(
 
     def save_last(epoch_done: int, step_state: dict | None = None) -> None:
         state = training_state(model, optimizer, scheduler, device)
-        last = {**identity, **state, "epoch": epoch_done, "history": history}
-        checkpoints.save({**last, "within": step_state}, last_path)
+        last = {**identity, **state, "epoch": epoch_done, "history": history, "within": step_state}
+        checkpoints.save(last, last_path)
 
     items = DetectionItems(train_images, images_root, cfg, classes, attributes)
     log(

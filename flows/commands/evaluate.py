@@ -12,6 +12,10 @@ from models.registry import MODEL_NAMES
 
 def evaluate_arguments(p) -> None:
     p.add_argument("model", choices=MODEL_NAMES)
+    p.add_argument(
+        "--name",
+        help="the results' row in the report (default: the model), e.g. a run of models.ablations",
+    )
     path_in(p, "--checkpoint", required=True, help="best.pt written by vse train")
     feature_arguments(p)
     path_in(p, "--adversarial", help="text store of the adversarial captions")
@@ -49,6 +53,8 @@ def run_evaluate(args, params) -> int:
     embeddings = embed(model, data, cfg, device)
     report = {
         "model": args.model,
+        "name": args.name or args.model,
+        "image_store": Path(image_store(args)).name,
         **evaluate_model(model, data, cfg, device, adversarial, embeddings=embeddings),
     }
     write_json(Path(args.out), report)
@@ -60,7 +66,7 @@ def run_evaluate(args, params) -> int:
     full = report["full"]
     attacked = ", ".join(f"{a} {m['i2t_r1']:.1f}" for a, m in report.get("adversarial", {}).items())
     print(
-        f"evaluate {args.model} on {report['split']} ({report['images']} images, "
+        f"evaluate {report['name']} on {report['split']} ({report['images']} images, "
         f"{report['captions']} captions) in {time.perf_counter() - start:.1f} s: i2t R@1/5/10 "
         f"{full['i2t_r1']:.1f}/{full['i2t_r5']:.1f}/{full['i2t_r10']:.1f}, t2i "
         f"{full['t2i_r1']:.1f}/{full['t2i_r5']:.1f}/{full['t2i_r10']:.1f}, rsum {full['rsum']:.1f}"
@@ -69,6 +75,15 @@ def run_evaluate(args, params) -> int:
         + f" -> {args.out}"
     )
     return 0
+
+
+def image_store(args) -> str:
+    """The image store the model was given (``--global``/``--graph_rise``, ``--regions`` or
+    ``--grid``, by the model's input)."""
+    from models.registry import model_stores
+
+    store = model_stores(args.model)[0]
+    return getattr(args, "global_" if store == "global" else store)
 
 
 def folds_summary(report: dict) -> str:

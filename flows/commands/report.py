@@ -13,7 +13,8 @@ def report_arguments(p) -> None:
         "results",
         nargs="+",
         help="evaluation JSON files (vse evaluate --out), or their folder: MODEL.json of "
-        "each model of models.enabled (and of --histories, --galleries)",
+        "each model of models.enabled and RUN.json of each run of models.ablations (and of "
+        "--histories; --galleries: the enabled models only)",
     )
     path_out(p, "--out", help="markdown report to write")
     path_out(p, "--plot", help="PNG bar plot to write")
@@ -30,8 +31,9 @@ def report_arguments(p) -> None:
 
 
 def model_files(paths: list[str] | None, enabled) -> list[Path]:
-    """Each path as given; a folder becomes ``FOLDER/MODEL.json`` for each model of
-    ``models.enabled`` (so dvc.yaml's report follows that list)."""
+    """Each path as given; a folder becomes ``FOLDER/NAME.json`` for each name of
+    ``enabled``: the models of ``models.enabled`` and the runs of ``models.ablations`` (so
+    dvc.yaml's report follows those lists)."""
     out: list[Path] = []
     for path in map(Path, paths or []):
         out += [path / f"{m}.json" for m in enabled] if path.is_dir() else [path]
@@ -42,9 +44,10 @@ def run_report(args, params) -> int:
     from models.report.table import write_report
 
     enabled = list(params.models.enabled)
+    rows = enabled + list(params.models.ablations)
     args.results, args.histories, args.galleries = (
-        model_files(args.results, enabled),
-        model_files(args.histories, enabled),
+        model_files(args.results, rows),
+        model_files(args.histories, rows),
         model_files(args.galleries, enabled),
     )
     histories = args.histories

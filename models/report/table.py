@@ -81,6 +81,17 @@ def markdown_table(results: dict[str, dict]) -> str:
         "",
         f"Chance level (random scores): rsum {chance_rsum(first):.1f} on the whole split.",
     ]
+    runs = {n: r for n, r in results.items() if r.get("model", n) != n}
+    if runs:
+        lines += [
+            "",
+            "Ablations (`models.ablations`): "
+            + "; ".join(
+                f"{n} is {r['model']} on {r.get('image_store', 'another image store')}"
+                for n, r in runs.items()
+            )
+            + ".",
+        ]
     lines += folds_note(first)
     classified = {n: r["classification"] for n, r in results.items() if "classification" in r}
     if classified:
@@ -102,7 +113,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         "| model | setting | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 |",
         "|---|---|" + "---:|" * 6,
     ]
-    for name in results:
+    for name in dict.fromkeys(r.get("model", n) for n, r in results.items()):
         if name in PAPER_NUMBERS:
             setting, values = PAPER_NUMBERS[name]
             cells = _fmt(values) if values else " | ".join("-" * 6)
@@ -195,7 +206,7 @@ def write_report(
             raise UserError(
                 f"{path}: not the results of `vse evaluate` ({err}); rerun it (dvc repro)"
             ) from None
-        by_model[result["model"]] = result
+        by_model[result.get("name", result["model"])] = result
     splits = {r["split"] for r in by_model.values()}
     if len(splits) > 1:
         raise UserError(f"results come from different splits ({sorted(splits)}): not comparable")
