@@ -277,3 +277,13 @@ def test_a_label_floor_nothing_reaches_is_one_line(tmp_path):
         )
     message = str(err.value)
     assert "\n" not in message and "graph_rise.min_images 4" in message and "lower it" in message
+
+
+def test_dropout_acts_in_training_only():
+    torch.manual_seed(0)
+    head = M.Head(3, 4, 2, 5, dropout=0.5)
+    plain = M.Head(3, 4, 2, 5)  # the same weights, no dropout: the reference
+    plain.load_state_dict(head.state_dict())
+    x, mask = torch.randn(6, 3, 3), torch.ones(6, 3, dtype=torch.bool)
+    torch.testing.assert_close(head.eval()(x, mask), plain.eval()(x, mask))
+    assert not torch.allclose(head.train()(x, mask), plain(x, mask))

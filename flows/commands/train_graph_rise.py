@@ -59,8 +59,8 @@ def run(args, params) -> int:
         f"in-degree {g['in_degree']}, neighbours with the same labels "
         f"{g['neighbours_same_labels']:.1%} (random pairs {g['random_pairs_same_labels']:.1%})"
     )
-    key = next(k for k in metrics if k.startswith("test_label_precision"))
-    print(f"graph-rise: {key} {json.dumps({k: round(v, 4) for k, v in metrics[key].items()})}")
+    for key in (k for k in metrics if "_label_precision_at_" in k):  # val, test
+        print(f"graph-rise: {key} {json.dumps({k: round(v, 4) for k, v in metrics[key].items()})}")
     print(f"graph-rise: {time.perf_counter() - start:.1f} s -> {args.out}, {args.metrics}")
     return 0
 
