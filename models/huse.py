@@ -43,7 +43,9 @@ setting, or the paper leaves the choice open:
   steps. Ours: the shared ``train`` section (AdamW, step decay, gradient clipping, which the
   paper does not mention).
 - Fused classification (sec. 4.5): the two softmaxes by "simple weighted averaging", the
-  weights not given. Ours (``models.evaluate.classification_metrics``): equal weights.
+  weights not given. Ours (``models.evaluate.fusion_weight``): the image weight with the
+  best fused accuracy on val (0 to 1, step 0.05), applied to the evaluated split; the
+  equal-weight accuracy is reported beside it.
 - Tower depth: "5 hidden layers of 512" is read as 5 FC layers of 512, the last one the
   linear, normalised embedding (so D = 512).
 """

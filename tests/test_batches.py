@@ -57,6 +57,23 @@ def naive_pairs(paths, data, captions):
     return rows
 
 
+def test_another_split_holds_its_images_standardised_as_this_one(paths):
+    train = PairData(paths, "train", ALL)
+    stats = train.feature_stats()
+    train.standardize(stats)
+    val = train.other_split("val")
+    direct = PairData(paths, "val", ALL)  # the reference: built and standardised by hand
+    direct.standardize(stats)
+    assert val.split == "val" and val.image_keys == direct.image_keys
+    assert not set(val.image_keys) & set(train.image_keys)
+    got, want = val.image_batch(np.arange(3)), direct.image_batch(np.arange(3))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    raw = PairData(paths, "val", ALL).image_batch(np.arange(3))
+    assert not torch.allclose(got["image"], raw["image"])  # standardised, not raw
+
+
 def test_pair_batches_equal_the_stores_read_one_sample_at_a_time(paths):
     data = PairData(paths, "train", ALL)
     captions = np.array([5, 0, 17, 17, 3, len(data) - 1, 40])

@@ -20,6 +20,7 @@ from models.evaluate import (
     encode_texts,
     evaluate_model,
     evaluate_split,
+    fusion_weight,
 )
 from models.metrics import fold_metrics, retrieval_metrics, similarity_matrix
 from models.train import build_model
@@ -155,12 +156,17 @@ class Linear(Embeddings):
 class Split:
     """A split of ready embeddings, with ``PairData``'s interface."""
 
-    def __init__(self, img, txt, caption_image, labels=None, attacks=None):
+    def __init__(self, img, txt, caption_image, labels=None, attacks=None, val=None):
         self.img, self.txt = torch.as_tensor(img).float(), torch.as_tensor(txt).float()
         self.caption_image = np.asarray(caption_image, dtype=np.int64)
         self.n_images, self.split = len(self.img), "test"
         self.labels = None if labels is None else np.asarray(labels, dtype=np.int64)
         self.attacks = None if attacks is None else np.asarray(attacks)
+        self.val = val  # the Split that other_split("val") gives
+
+    def other_split(self, split):
+        assert split == "val" and self.val is not None
+        return self.val
 
     def __len__(self):
         return len(self.txt)
@@ -287,16 +293,39 @@ P_TEXT = [
 ]
 
 
+# a val split of 2 images (classes 0, 1) and their captions whose fused accuracy is 100%
+# for image weights w in (3/11, 1/3) only, i.e. w = 0.3 of the grid (50% elsewhere):
+# caption 0 (class 0): .9w + .35(1 - w) > .5 iff w > 3/11; caption 1 (class 1):
+# .1w + .7(1 - w) > .5 iff w < 1/3
+VAL_IMAGE_ANGLES, VAL_CAPTION_ANGLES = [30, 150], [200, 280]
+P_VAL_IMAGE = [[0.9, 0.1, 0.0], [0.9, 0.1, 0.0]]
+P_VAL_TEXT = [[0.35, 0.65, 0.0], [0.3, 0.7, 0.0]]
+
+
 def test_classification_by_hand():
     """HUSE's evaluation on 4 images (classes 0 0 1 2) and 8 captions in the plane, with
     softmaxes chosen by hand (P_IMAGE, P_TEXT): accuracy image 2/4 (images 1 and 3 are
-    wrong), text 5/8, fused 6/8 (softmaxes averaged: see P_TEXT)."""
+    wrong), text 5/8, fused with equal weights 6/8 (see P_TEXT); the image weight chosen
+    on val is 0.3 (see P_VAL_IMAGE), with which captions 3 (.23 .67 .10 -> 1) stays wrong
+    and 7 (.43 .135 .435 -> 2) turns right: 7/8."""
     img, txt = unit(IMAGE_ANGLES), unit(CAPTION_ANGLES)
-    data = Split(img, txt, np.arange(8) // 2, labels=IMAGE_LABELS)
-    model = Classifying(img, txt, P_IMAGE + P_TEXT)
+    val_img, val_txt = unit(VAL_IMAGE_ANGLES), unit(VAL_CAPTION_ANGLES)
+    val = Split(val_img, val_txt, [0, 1], labels=[0, 1])
+    data = Split(img, txt, np.arange(8) // 2, labels=IMAGE_LABELS, val=val)
+    model = Classifying(
+        torch.cat([img, val_img]),
+        torch.cat([txt, val_txt]),
+        P_IMAGE + P_VAL_IMAGE + P_TEXT + P_VAL_TEXT,
+    )
     cfg = EvaluateConfig(batch_size=3, fold_size=4, device="cpu")
     got = evaluate_model(model, data, cfg, torch.device("cpu"))["classification"]
-    want = {"accuracy_image": 50.0, "accuracy_text": 62.5, "accuracy_fused": 75.0}
+    want = {
+        "accuracy_image": 50.0,
+        "accuracy_text": 62.5,
+        "accuracy_fused": 87.5,
+        "accuracy_fused_equal": 75.0,
+        "fusion_weight_image": 0.3,
+    }
     # class-level R@K, the nearest by angle (a hit: the query's class):
     # image -> text: image 0 c0 (9 deg, class 0), image 1 c2 (16), image 2 c4 (8), image 3
     #   c5 (6 deg, class 1: a miss); R@5: each image has its own captions in its top 5
@@ -314,6 +343,22 @@ def test_classification_by_hand():
     }.items():
         want |= {f"class_{name}_r{k}": v for k, v in zip((1, 5, 10), values, strict=True)}
     assert got == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    "text_1, best",
+    [
+        ([0.2, 0.8, 0.0], 0.4),  # all right for w in (1/3, 3/7): 0.35, 0.4; 0.4 nearest 0.5
+        ([0.05, 0.95, 0.0], 0.5),  # (1/3, 9/17): 0.35 .. 0.5 tie; equal weights among them
+    ],
+)
+def test_fusion_weight_ties_go_to_the_weight_nearest_equal(text_1, best):
+    """Caption 0 (class 0) is right iff .3 + .6w > .5 (w > 1/3); caption 1 (class 1),
+    image [.9 .1], iff .1w + t(1 - w) > .5 with t caption 1's class-1 probability."""
+    img, txt = unit([30, 150]), unit([200, 280])
+    val = Split(img, txt, [0, 1], labels=[0, 1])
+    p = [[0.9, 0.1, 0.0], [0.9, 0.1, 0.0], [0.3, 0.7, 0.0], text_1]
+    assert fusion_weight(Classifying(img, txt, p), img, txt, val) == best
 
 
 # naive references on random embeddings
@@ -346,9 +391,10 @@ def argmax(row):
 
 @pytest.mark.parametrize("n_images, paired", [(5, False), (9, False), (14, False), (8, True)])
 def test_classification_metrics_match_loops(n_images, paired):
-    """Accuracy of each modality and fused (softmaxes averaged), class-level R@K in the
-    four directions, against loops; galleries smaller and larger than K = 10, and (paired)
-    caption i of image i close to it: image i and caption i are not the same item."""
+    """Accuracy of each modality and fused (softmaxes weighted 0.3 : 0.7, and averaged),
+    class-level R@K in the four directions, against loops; galleries smaller and larger
+    than K = 10, and (paired) caption i of image i close to it: image i and caption i are
+    not the same item."""
     rng = np.random.default_rng(n_images)
     n_classes, dim = 4, 6
     c2i = np.sort(rng.integers(0, n_images, size=2 * n_images))
@@ -362,15 +408,18 @@ def test_classification_metrics_match_loops(n_images, paired):
     model = Linear(dim, n_classes)
     linear = model.layer
     data = Split(img, txt, c2i, labels=labels)
-    got = classification_metrics(model, img, txt, data)
+    got = classification_metrics(model, img, txt, data, w=0.3)
 
     with torch.no_grad():
         p_img = [softmax(r) for r in linear(img).tolist()]
         p_txt = [softmax(r) for r in linear(txt).tolist()]
     text_labels = [int(labels[i]) for i in c2i]
-    fused = [
-        [(a + b) / 2 for a, b in zip(p_img[i], p_txt[c], strict=True)] for c, i in enumerate(c2i)
-    ]
+
+    def fused(w):
+        return [
+            [w * a + (1 - w) * b for a, b in zip(p_img[i], p_txt[c], strict=True)]
+            for c, i in enumerate(c2i)
+        ]
 
     def accuracy(probabilities, truth):
         right = [argmax(p) == y for p, y in zip(probabilities, truth, strict=True)]
@@ -379,7 +428,9 @@ def test_classification_metrics_match_loops(n_images, paired):
     want = {
         "accuracy_image": accuracy(p_img, labels),
         "accuracy_text": accuracy(p_txt, text_labels),
-        "accuracy_fused": accuracy(fused, text_labels),
+        "accuracy_fused": accuracy(fused(0.3), text_labels),
+        "accuracy_fused_equal": accuracy(fused(0.5), text_labels),
+        "fusion_weight_image": 0.3,
     }
     directions = {
         "image_to_text": (img, txt, labels, text_labels, False),

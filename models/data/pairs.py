@@ -148,6 +148,13 @@ class PairData:
         }
         self.info = replace(self.info, feature_stats=stats)
 
+    def other_split(self, split: str) -> PairData:
+        """The same stores and inputs on ``split``, standardised as this one is."""
+        other = PairData(self.paths, split, self.inputs)
+        if self.stats:
+            other.standardize(self.info.feature_stats)
+        return other
+
     def feature_stats(self, max_images: int = 5000) -> dict[str, list[list[float]]]:
         """Per-dimension mean and std of the image inputs over (up to ``max_images``) of
         this split's images; regions count only valid ones. Random-init features are
