@@ -124,15 +124,21 @@ def measure(args, work: Path) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'input':8} {'acc image':>9} {'acc text':>9} {'acc fused':>9} {'rsum':>7}")
+    # fused: the image weight w chosen on val (models.evaluate.fusion_weight); equal: w 0.5
+    print(
+        f"{'input':8} {'acc image':>9} {'acc text':>9} {'acc fused':>9} {'w':>5} "
+        f"{'fused eq':>9} {'rsum':>7}"
+    )
     for name, r in result["huse"].items():
         print(
             f"{name:8} {r['accuracy_image']:9.1f} {r['accuracy_text']:9.1f} "
-            f"{r['accuracy_fused']:9.1f} {r['rsum']:7.1f}"
+            f"{r['accuracy_fused']:9.1f} {r['fusion_weight_image']:5.2f} "
+            f"{r['accuracy_fused_equal']:9.1f} {r['rsum']:7.1f}"
         )
     p = result["stage_metrics"]
-    key = next(k for k in p if k.startswith("test_label_precision"))
-    print(f"{key}: {json.dumps(p[key])}; stage seconds {result['stage_seconds']}")
+    for key in (k for k in p if "_label_precision_at_" in k):  # val, test
+        print(f"{key}: {json.dumps(p[key])}")
+    print(f"stage seconds {result['stage_seconds']}")
 
 
 if __name__ == "__main__":
