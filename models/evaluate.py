@@ -159,6 +159,21 @@ def fusion_weight(model, img, txt, data) -> float:
     return min((w for w, a in accuracy.items() if a == best), key=lambda w: (abs(w - 0.5), w))
 
 
+def val_fusion_weight(model, data, embeddings, cfg, device) -> float:
+    """:func:`fusion_weight` on the val split (the paper gives none), to apply to ``data``
+    (embedded as ``embeddings``); equal weights, warned, when the manifest has no val split."""
+    from models.data.info import DataError
+
+    if data.split == "val":
+        return fusion_weight(model, *embeddings, data)
+    try:
+        val = data.other_split("val")
+    except DataError as err:
+        warnings.warn(f"{err}: the fused accuracy weighs image and text equally", stacklevel=2)
+        return 0.5
+    return fusion_weight(model, *embed(model, val, cfg, device), val)
+
+
 def classification_metrics(model, img, txt, data, w: float = 0.5) -> dict:
     """HUSE's evaluation: accuracy per modality, fused with the image weight ``w`` (see
     :func:`fusion_weight`) and with equal weights, class-level retrieval."""
@@ -253,10 +268,7 @@ def evaluate_model(
         }
         report["folds"].update(fold_metrics(sims, c2i, size))
     if hasattr(model, "classify"):
-        # the fusion weight from val (the paper gives none), applied to this split
-        val = data if data.split == "val" else data.other_split("val")
-        val_embeddings = (img, txt) if val is data else embed(model, val, cfg, device)
-        w = fusion_weight(model, *val_embeddings, val)
+        w = val_fusion_weight(model, data, (img, txt), cfg, device)
         report["classification"] = classification_metrics(model, img, txt, data, w)
     if adversarial is not None:
         with Batches(adversarial, device, **options) as batches:

@@ -12,6 +12,7 @@ import torch
 from model_data import TinyPairs
 
 from infra.finite import NonFiniteError
+from models.data.info import DataError
 from models.evaluate import (
     EvaluateConfig,
     adversarial_metrics,
@@ -165,7 +166,9 @@ class Split:
         self.val = val  # the Split that other_split("val") gives
 
     def other_split(self, split):
-        assert split == "val" and self.val is not None
+        assert split == "val"
+        if self.val is None:  # as PairData says it
+            raise DataError(f"manifest.parquet: split {split!r} has no images")
         return self.val
 
     def __len__(self):
@@ -343,6 +346,17 @@ def test_classification_by_hand():
     }.items():
         want |= {f"class_{name}_r{k}": v for k, v in zip((1, 5, 10), values, strict=True)}
     assert got == pytest.approx(want)
+
+
+def test_without_a_val_split_the_fusion_weighs_equally_and_says_so():
+    img, txt = unit(IMAGE_ANGLES), unit(CAPTION_ANGLES)
+    data = Split(img, txt, np.arange(8) // 2, labels=IMAGE_LABELS)
+    model = Classifying(img, txt, P_IMAGE + P_TEXT)
+    cfg = EvaluateConfig(batch_size=3, fold_size=4, device="cpu")
+    with pytest.warns(UserWarning, match="'val' has no images: the fused accuracy weighs"):
+        got = evaluate_model(model, data, cfg, torch.device("cpu"))["classification"]
+    assert got["fusion_weight_image"] == 0.5
+    assert got["accuracy_fused"] == got["accuracy_fused_equal"] == 75.0
 
 
 @pytest.mark.parametrize(
