@@ -129,6 +129,10 @@ class Parser:
                 lists = lists or dep == "nmod"
             elif dep == "conj":
                 lists = True
+            elif dep == "prep" and t.text in ("in", "with") and head.lemma == "cover":
+                # "a tree covered in snow" says what "covered by snow" says: (snow, cover, tree)
+                if head.tag == "VBN":
+                    t.dep = "agent"
         for t in toks:
             if t.pos == "NOUN" and t.i and toks[t.i - 1].dep == "compound":
                 self._participle_as_noun(toks, t)
