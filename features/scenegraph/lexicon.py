@@ -164,16 +164,11 @@ PLACING_VERBS = {
 SUBJECT_PREPOSITIONS = {"with", "without", "of", "for", "by", "like", "during"}  # never placing
 
 
-# synonymous predicates in the one form Visual Genome's annotators write (FACTUAL's training
-# graphs: "beneath" is "under" in 82 of 90 captions, "underneath" in 74 of 93, "atop" "on top
-# of" in 23 of 30, "dressed in" "wear" in 81 of 96): a word of a predicate's lemma -> its form
-CANONICAL_WORDS = {
-    "beneath": "under",
-    "underneath": "under",
-    "below": "under",
-    "atop": "on top of",
-    "besides": "beside",
-}
+# predicates in the form the project writes: "besides" misspells "beside" in captions
+# (FACTUAL's training graphs: "beside" in 10 of 14); "dressed in" is "wear", as "in a shirt"
+# is (:mod:`features.scenegraph.learned`; FACTUAL: "wear" in 81 of 96). Synonyms stay apart
+# ("beneath" is not "under": the demo's captions and the project's gold sets keep the word).
+CANONICAL_WORDS = {"besides": "beside"}  # a word of a predicate's lemma -> its form
 CANONICAL_PREDICATES = {"dress in": "wear", "dress up in": "wear"}  # whole lemmas
 
 
