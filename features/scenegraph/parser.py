@@ -9,6 +9,7 @@ from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
 from features.scenegraph.edges import EdgeModel
+from features.scenegraph.gaps import repair_gapped_clause
 from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
@@ -102,6 +103,7 @@ class Parser:
 
     def _repair(self, toks: list[_Tok]) -> None:
         self._caption_head(toks)
+        repair_gapped_clause(toks)
         lists = False
         for t in toks:
             head = toks[t.head]
