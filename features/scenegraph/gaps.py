@@ -55,7 +55,7 @@ def repair_gapped_clause(toks) -> None:
     for t in toks[i + 1 : verb.i]:
         t.dep, t.head = "aux", verb.i
     if last is not verb:
-        last.dep, last.head = "prep", verb.i
+        last.pos, last.dep, last.head = "ADP", "prep", verb.i
     for t in toks[len(words) :]:
         t.head = noun.i
 
