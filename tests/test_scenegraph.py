@@ -962,3 +962,28 @@ def test_shades_and_states_of_the_rules(english, caption, wanted, unwanted):
     got = _flat(Parser.for_pipeline(nlp, "off")(nlp(normalise_case(caption))))
     assert wanted <= got, sorted(map(str, got))
     assert not unwanted & got, sorted(map(str, got))
+
+
+# round 4's rules, from error classes of FACTUAL's training captions (hand-checked graphs)
+GAPS = [
+    ("the sofa the man is sitting on .", ("man", "sit on", "sofa")),
+    ("the chair the women is sitting on", ("woman", "sit on", "chair")),
+    ("the table the pizza is on .", ("pizza", "on", "table")),
+    ("the pink shirt the woman is wearing .", ("woman", "wear", "shirt")),
+    ("the car is covered with snow", ("snow", "cover", "car")),
+    ("trees covered in snow", ("snow", "cover", "tree")),
+    ("a young man dressed in a uniform", ("man", "wear", "uniform")),
+]
+
+
+@pytest.mark.parametrize("caption, relation", GAPS, ids=[c for c, _ in GAPS])
+def test_gapped_clauses_and_passive_readings(english, caption, relation):
+    nlp, _ = english
+    relations = Parser.for_pipeline(nlp, "off")(nlp(caption)).lemma_tuples()[2]
+    assert relation in relations
+
+
+def test_a_particle_at_the_end_is_no_gap(english):
+    nlp, _ = english
+    graph = Parser.for_pipeline(nlp, "off")(nlp("a bathroom towel is hanging up"))
+    assert graph.lemma_tuples()[2] == set()

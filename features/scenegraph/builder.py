@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from features.scenegraph.gaps import Gaps
 from features.scenegraph.lexicon import (
     COLLECTIVE_NOUNS,
     COLOURS,
@@ -64,7 +65,7 @@ class _Tok:
         return f"{self.text}/{self.pos}/{self.dep}/{self.head}/{self.lemma}"
 
 
-class _Builder:
+class _Builder(Gaps):
     """The rules over one repaired parse."""
 
     def __init__(self, toks: list[_Tok], attach=None, record: list | None = None):
@@ -114,6 +115,8 @@ class _Builder:
             if t.pos in VERBS:
                 if t.lemma != "be" and not OBJECT_DEPS.isdisjoint(t.kids):
                     self._verb_object(t)
+                elif t.dep == "relcl":
+                    self._gapped_object(t)
             if "poss" in t.kids and t.i in self.index:
                 for owner in t.kids["poss"]:
                     if owner.i in self.index:
@@ -438,20 +441,6 @@ class _Builder:
             for s in subjects:
                 for phrase, o in targets:
                     self._add(s, phrase, o)
-
-    def _stranded(self, prep: _Tok) -> None:
-        """A preposition left at the end of a relative clause: "the desk the computer is
-        on" -> (computer, on, desk); "the area the person is sitting on" -> (person, sit on,
-        area)."""
-        verb = self.toks[prep.head]
-        if verb.pos not in VERBS or verb.dep != "relcl" or verb.i > prep.i:
-            return
-        noun = self.toks[verb.head]
-        words = [verb, prep] if verb.lemma != "be" and verb.i + 1 == prep.i else [prep]
-        for s in self._children(verb, "nsubj"):
-            for subject in self._entities(s):
-                for target in self._entities(noun):
-                    self._add(subject, words, target)
 
     def _on_it(self, prep: _Tok, anchor: _Tok, words: list[_Tok]) -> None:
         """ "A building with a clock on it", "the building has bricks on it": (clock, on,

@@ -23,19 +23,21 @@ from __future__ import annotations
 
 from features.scenegraph.builder import SceneGraph
 from features.scenegraph.learned_predicates import ATTACHMENT, PREDICATES
+from features.scenegraph.lexicon import canonical_predicate
 
 
 def relabel(graph: SceneGraph, table: dict[tuple[str, str], str] = PREDICATES) -> SceneGraph:
-    """``graph`` with the learned predicate of every relation whose (predicate lemma, object
-    head lemma) the table holds (in place; returned for chaining)."""
-    if not table:
-        return graph
+    """``graph`` with every predicate lemma in its canonical form
+    (:func:`features.scenegraph.lexicon.canonical_predicate`), then the learned predicate of
+    every relation whose (predicate lemma, object head lemma) the table holds (in place;
+    returned for chaining)."""
     seen = set()
     kept = []
     for r in graph.relations:
         head = graph.objects[r["object"]]["lemma"].split()[-1]
-        learned = table.get((r["lemma"], head))
-        if learned is not None:
+        lemma = canonical_predicate(r["lemma"])
+        learned = table.get((lemma, head), lemma)
+        if learned != r["lemma"]:
             r = {**r, "lemma": learned}
         key = (r["subject"], r["lemma"], r["object"])
         if key not in seen:  # "in a shirt" and "wearing a shirt" are one relation

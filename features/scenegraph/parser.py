@@ -9,6 +9,7 @@ from collections.abc import Collection
 
 from features.scenegraph.builder import SceneGraph, _Builder, _Tok
 from features.scenegraph.edges import EdgeModel
+from features.scenegraph.gaps import repair_gapped_clause
 from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
@@ -102,6 +103,7 @@ class Parser:
 
     def _repair(self, toks: list[_Tok]) -> None:
         self._caption_head(toks)
+        repair_gapped_clause(toks)
         lists = False
         for t in toks:
             head = toks[t.head]
@@ -129,6 +131,10 @@ class Parser:
                 lists = lists or dep == "nmod"
             elif dep == "conj":
                 lists = True
+            elif dep == "prep" and t.text in ("in", "with") and head.lemma == "cover":
+                # "a tree covered in snow" says what "covered by snow" says: (snow, cover, tree)
+                if head.tag == "VBN":
+                    t.dep = "agent"
         for t in toks:
             if t.pos == "NOUN" and t.i and toks[t.i - 1].dep == "compound":
                 self._participle_as_noun(toks, t)
