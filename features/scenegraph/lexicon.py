@@ -173,7 +173,7 @@ CANONICAL_PREDICATES = {"dress in": "wear", "dress up in": "wear"}  # whole lemm
 
 
 def canonical_predicate(lemma: str) -> str:
-    """``lemma`` of a predicate in its canonical form ("sit beneath" -> "sit under")."""
+    """``lemma`` of a predicate in its canonical form ("sit besides" -> "sit beside")."""
     lemma = CANONICAL_PREDICATES.get(lemma, lemma)
     if any(w in CANONICAL_WORDS for w in lemma.split()):
         lemma = " ".join(CANONICAL_WORDS.get(w, w) for w in lemma.split())
