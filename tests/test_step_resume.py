@@ -380,3 +380,32 @@ def test_a_failed_background_write_fails_the_run_in_one_line(packed, tmp_path, m
     assert calls == [3, 6]  # raised by the next save, before it writes
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["within"]["step"] == 3
     assert threading.active_count() == threads
+
+
+def test_a_preempted_ablation_run_is_set_aside_under_its_run_name(tmp_path):
+    """A ``train-ablation@<run>`` stage's preempted last.pt (the run's model, trained with
+    that model's params) is set aside for the rerun like a ``train@<model>`` one's; the
+    model's own stage, which left none, gets nothing."""
+    from pathlib import Path
+
+    from dvc.repo import Repo
+    from prefect.logging import disable_run_logger
+
+    from flows.params import load_params
+    from flows.pipeline import RESUME_FROM, set_aside_preempted
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("dvc.yaml", "params.yaml"):
+        (tmp_path / name).write_text((root / name).read_text())
+    Repo.init(str(tmp_path), no_scm=True).close()
+    params = load_params(tmp_path / "params.yaml")
+    (run,) = [r for r, a in params.models.ablations.items() if a.model == "huse"]
+    last = tmp_path / "data" / "models" / run / "last.pt"
+    last.parent.mkdir(parents=True)
+    config = params.models.huse.model_dump()
+    torch.save({"model": "huse", "config": config, "state_dict": {}, "optimizer": {}}, last)
+    with disable_run_logger():
+        env = set_aside_preempted(str(tmp_path), f"train-ablation@{run}")
+        assert set_aside_preempted(str(tmp_path), "train@huse") == {}
+    aside = Path(env[RESUME_FROM])
+    assert aside.name == f"{run}.pt" and aside.read_bytes() == last.read_bytes()
