@@ -145,7 +145,9 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
 
     names = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    axes[0].bar(names, [results[n]["full"]["rsum"] for n in names], color="#4c72b0")
+    # an ablation's bar (a run of models.ablations) paler than the models'
+    colours = ["#4c72b0" if results[n].get("model", n) == n else "#a6bddb" for n in names]
+    axes[0].bar(names, [results[n]["full"]["rsum"] for n in names], color=colours)
     axes[0].set_ylabel("rsum (max 600)")
     axes[0].set_title(f"retrieval, {next(iter(results.values()))['split']} split")
     attacks = ("object", "attribute", "relation")
@@ -162,6 +164,8 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
     axes[1].set_ylabel("image-to-text R@1 (%)")
     axes[1].set_title("with adversarial captions")
     axes[1].legend(fontsize=8)
+    for ax in axes:  # run names are longer than model names: slanted, they never overlap
+        plt.setp(ax.get_xticklabels(), rotation=25, ha="right", rotation_mode="anchor")
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
