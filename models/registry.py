@@ -68,10 +68,16 @@ def check_enabled(enabled: dict[str, str]) -> dict[str, str]:
     for name, store in enabled.items():
         if name not in MODELS:
             raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-        if store not in model_stores(name):
-            known = " or ".join(model_stores(name))
-            raise ValueError(f"{name} reads the {known} store, not {store!r}")
+        check_store(name, store)
     return enabled
+
+
+def check_store(name: str, store: str, where: str = "") -> None:
+    """That model ``name`` can read image store ``store``; else a ValueError (its message
+    starting with ``where``)."""
+    if store not in model_stores(name):
+        known = " or ".join(model_stores(name))
+        raise ValueError(f"{where}{name} reads the {known} store, not {store!r}")
 
 
 class Ablation(Section):
@@ -100,8 +106,6 @@ def check_ablations(enabled: dict[str, str], ablations: dict[str, Ablation]) -> 
             raise ValueError(
                 f"{where}: {a.model} is not in models.enabled; add it or delete this run"
             )
-        if a.store not in model_stores(a.model):
-            known = " or ".join(model_stores(a.model))
-            raise ValueError(f"{where}: {a.model} reads the {known} store, not {a.store!r}")
+        check_store(a.model, a.store, f"{where}: ")
         if a.store == enabled[a.model]:
             raise ValueError(f"{where}: {a.model} already reads {a.store} in models.enabled")

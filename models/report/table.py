@@ -51,6 +51,11 @@ def folds_note(result: dict) -> list[str]:
     ]
 
 
+def is_ablation(name: str, result: dict) -> bool:
+    """Whether row ``name`` is a run of ``models.ablations`` (named apart from its model)."""
+    return result.get("model", name) != name
+
+
 def markdown_table(results: dict[str, dict]) -> str:
     """One row per model: clean retrieval, rsum, COCO-1K-style folds when present,
     adversarial image-to-text R@1 per attack, classification when reported."""
@@ -81,7 +86,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         "",
         f"Chance level (random scores): rsum {chance_rsum(first):.1f} on the whole split.",
     ]
-    runs = {n: r for n, r in results.items() if r.get("model", n) != n}
+    runs = {n: r for n, r in results.items() if is_ablation(n, r)}
     if runs:
         lines += [
             "",
@@ -102,11 +107,10 @@ def markdown_table(results: dict[str, dict]) -> str:
             "|---|" + "---:|" * 9,
         ]
         for name, c in classified.items():
-            cells = [c["accuracy_image"], c["accuracy_text"], c["accuracy_fused"]]
             weight = c.get("fusion_weight_image")
             equal = c.get("accuracy_fused_equal")
             cells = [
-                _fmt(cells),
+                _fmt([c["accuracy_image"], c["accuracy_text"], c["accuracy_fused"]]),
                 "-" if weight is None else f"{weight:.2f}",
                 "-" if equal is None else _fmt([equal]),
                 _fmt(
@@ -115,7 +119,6 @@ def markdown_table(results: dict[str, dict]) -> str:
                 ),
             ]
             lines.append(f"| {name} | {' | '.join(cells)} |")
-    if classified:
         lines += [
             "",
             "Fused: the image and text softmaxes averaged with the image weight chosen on the "
@@ -146,7 +149,7 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
     names = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     # an ablation's bar (a run of models.ablations) paler than the models'
-    colours = ["#4c72b0" if results[n].get("model", n) == n else "#a6bddb" for n in names]
+    colours = ["#a6bddb" if is_ablation(n, results[n]) else "#4c72b0" for n in names]
     axes[0].bar(names, [results[n]["full"]["rsum"] for n in names], color=colours)
     axes[0].set_ylabel("rsum (max 600)")
     axes[0].set_title(f"retrieval, {next(iter(results.values()))['split']} split")
