@@ -265,7 +265,6 @@ def _train(
             row, seen = run.epoch(epoch, within if epoch == start else None, progress)
             history.append(row)
             seconds = time.perf_counter() - tick
-            out_dir.mkdir(parents=True, exist_ok=True)
             save_last(epoch)
             log(
                 f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
