@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from features.scenegraph.builder import SceneGraph, _Tok
 from features.scenegraph.edges import WEIGHTS, EdgeModel, Scorer, Vocabulary
 from features.scenegraph.factual import Lemmas, data_folder, parse_graph
-from features.scenegraph.lexicon import normalise_case
+from features.scenegraph.learned import caption_text
 from features.scenegraph.parser import Parser
 from features.scenegraph.stage import ScenegraphConfig, load_pipeline
 from features.scenegraph.train_edges import Net, examples
@@ -205,7 +205,7 @@ LEARNED = [
 def test_shipped_model_finds_what_the_rules_miss(english, caption, relation):
     nlp, _ = english
     parser = Parser.for_pipeline(nlp)
-    doc = nlp(normalise_case(caption))
+    doc = nlp(caption_text(caption))
     assert relation not in parser.rules(doc)[0].lemma_tuples()[2]
     assert relation in parser(doc).lemma_tuples()[2]
 

@@ -14,7 +14,9 @@ rules and ours differ by design rather than by error (:func:`neutral_predicate`)
     preposition dropped ("sit on" = "on", "sit on top of" = "on top of"), a verb alone kept;
     "with" = "have" (FACTUAL writes both for the same "X with Y"); (X, of, Y) = (Y, have, X)
     (FACTUAL: "the tail of a dog" is (dog, have, tail));
-  * object heads split at hyphens too ("t-shirt" = "t - shirt": tokenisation);
+  * object heads split at hyphens too ("t-shirt" = "t - shirt": tokenisation), and a
+    compound written open joined where the lemmatizer's noun index knows it closed ("cell
+    phone" = "cellphone", "counter top" = "countertop": FACTUAL's annotators close them);
   * numbers as digits ("two" = "2": FACTUAL writes digits);
   * a noun modifier of an object's name is also an attribute of its head ("brick building":
     FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
@@ -167,6 +169,11 @@ class Lemmas:
             self.index = {pos: frozenset(table.get(pos.lower(), ())) for pos in ("NOUN", "VERB")}
         self.cache: dict[tuple[str, str], str] = {}
 
+    @property
+    def nouns(self) -> frozenset[str]:
+        """The noun index (empty without a lemmatizer)."""
+        return self.index.get("NOUN", frozenset())
+
     def __call__(self, word: str, pos: str) -> str:
         key = (word, pos)
         found = self.cache.get(key)
@@ -199,8 +206,16 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
     attribute), ``relations`` (subject head, predicate, object head), ``pairs`` (subject
     head, object head) and ``all`` (objects, attributes and relations together)."""
 
+    def name_words(name: str) -> list[str]:
+        if not neutral:
+            return name.split()
+        words = name.replace("-", " ").split()
+        if len(words) > 1 and words[-2] + words[-1] in lemma.nouns:
+            words[-2:] = [words[-2] + words[-1]]  # "cell phone" = "cellphone"
+        return words
+
     def head(name: str) -> str:
-        words = name.replace("-", " ").split() if neutral else name.split()
+        words = name_words(name)
         return lemma(words[-1], "NOUN") if words else name
 
     def attribute(text: str) -> str:
@@ -226,7 +241,7 @@ def tuples(raw: Raw, lemma: Lemmas, neutral: bool = False) -> dict[str, set]:
         relations.add((head(s), " ".join(words), head(o)))
     if neutral:
         for o in raw.objects:
-            words = o.replace("-", " ").split()
+            words = name_words(o)
             # through the attributes' own lemmatisation: gold's (chair, leather) and the
             # name "leather chair" give one tuple (as an adjective "leather" is "leath")
             attributes.update((head(o), attribute(w)) for w in words[:-1])

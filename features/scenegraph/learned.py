@@ -22,8 +22,26 @@ caption's words (adversarial captions replace words of the caption).
 from __future__ import annotations
 
 from features.scenegraph.builder import SceneGraph
-from features.scenegraph.learned_predicates import ATTACHMENT, PREDICATES
-from features.scenegraph.lexicon import canonical_predicate
+from features.scenegraph.learned_predicates import ATTACHMENT, NOUN_STARTS, PREDICATES
+from features.scenegraph.lexicon import canonical_predicate, normalise_case
+
+
+def caption_text(text: str, starts: frozenset[str] = NOUN_STARTS) -> str:
+    """The text spaCy parses for a caption: :func:`normalise_case`, then "the " before a
+    caption that starts with a word FACTUAL's annotators read as an object
+    (:data:`NOUN_STARTS`, mined by :func:`features.scenegraph.train_learned.noun_starts`).
+    Region captions drop their articles ("surfboard in the sand", "bear lies on ground"),
+    and the small model then reads the first word as an adverb or a verb ("bear" as the
+    root verb with "lies" as its object); with the article it reads the noun phrase. The
+    graph does not change otherwise: its names and spans are words of the caption."""
+    text = normalise_case(text)
+    word = text.split(maxsplit=1)[0] if text.strip() else ""
+    if word.lower() not in starts:
+        return text
+    if word[:1].isupper() and word[1:].islower():
+        text = text.lstrip()
+        text = text[:1].lower() + text[1:]  # "Man riding": no proper noun after "the"
+    return "the " + text.lstrip()
 
 
 def relabel(graph: SceneGraph, table: dict[tuple[str, str], str] = PREDICATES) -> SceneGraph:

