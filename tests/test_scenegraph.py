@@ -829,6 +829,13 @@ REAL = [
     ("Fork laying on a plate", {("fork", "lay on", "plate")}, set()),
     ("a bench at the end of the pier", {("bench", "at the end of", "pier")}, {"end"}),
     ("a clock in the corner of the room", {("clock", "in the corner of", "room")}, {"corner"}),
+    ("a table with a laptop sitting on it", {("laptop", "sit on", "table")}, {"with"}),
+    (
+        "a plate with a fork and a knife on it",
+        {("fork", "on", "plate"), ("knife", "on", "plate")},
+        {"with"},
+    ),
+    ("a black car with a orange canoe on top of it", {("canoe", "on top of", "car")}, {"with"}),
     (
         "A woman who is wearing a blue dress.",
         {("woman", "wear", "dress"), ("dress", "blue")},

@@ -443,15 +443,33 @@ class _Builder(Gaps):
                     self._add(s, phrase, o)
 
     def _on_it(self, prep: _Tok, anchor: _Tok, words: list[_Tok]) -> None:
-        """ "A building with a clock on it", "the building has bricks on it": (clock, on,
-        building), (brick, on, building), in place of the "with"/"have" relation."""
-        if not any(p.text in ("it", "them") for p in self._children(prep, "pobj")):
-            return
+        """ "A building with a clock on it", "the building has bricks on it", "a plate with a
+        fork and a knife on it", "a table with a laptop sitting on it", "a car with a canoe
+        on top of it": (clock, on, building), (brick, on, building), (fork, on, plate),
+        (laptop, sit on, table), (canoe, on top of, car), in place of the "with"/"have"
+        relation (FACTUAL's annotators write only the placing one)."""
         toks = self.toks
+        pobjs = self._children(prep, "pobj")
+        if pobjs and self._is_relational(pobjs[0]):  # "on top of it"
+            of = next(c for c in self._children(pobjs[0], "prep") if c.text == "of")
+            words = [*words, pobjs[0], of]
+            pobjs = self._children(of, "pobj")
+        if not any(p.text in ("it", "them") for p in pobjs):
+            return
+        if anchor.pos in VERBS and anchor.dep == "acl" and anchor.head in self.index:
+            words = [anchor, *words]  # "a laptop sitting on it"
+            anchor = toks[anchor.head]
         pairs = []
-        if anchor.i in self.index and anchor.dep == "pobj" and toks[anchor.head].text == "with":
-            holder = toks[toks[anchor.head].head]
-            pairs = [(anchor.i, h) for h in self._entities(holder)]
+        if anchor.i in self.index and anchor.dep in ("pobj", "conj", "dobj"):
+            first = anchor
+            while first.dep == "conj" and toks[first.head].i in self.index:
+                first = toks[first.head]
+            things = [e for c in self._conjuncts(first) for e in self._entities(c)]
+            head = toks[first.head]
+            if first.dep == "pobj" and head.text == "with" and head.head != head.i:
+                pairs = [(x, h) for x in things for h in self._entities(toks[head.head])]
+            elif first.dep == "dobj" and head.pos in VERBS and head.lemma == "have":
+                pairs = [(x, h) for x in things for h in self._subjects(head)]
         elif anchor.pos in VERBS and anchor.lemma == "have":
             things = [e for o in self._children(anchor, "dobj") for e in self._entities(o)]
             pairs = [(x, h) for x in things for h in self._subjects(anchor)]
