@@ -87,6 +87,11 @@ def test_neutral_conventions_meet_in_the_middle():
         ("( man , on side of , bus )", raw({"man", "bus"}, (), {("man", "on the side of", "bus")})),
         ("( man , with , hat )", raw({"man", "hat"}, (), {("man", "have", "hat")})),
         ("( man , wear , t-shirt )", raw({"man", "t - shirt"}, (), {("man", "wear", "t - shirt")})),
+        (
+            "( person , ride , skateboard )",
+            raw({"guy", "skateboard"}, (), {("guy", "ride", "skateboard")}),
+        ),
+        ("( people , on , bench )", raw({"guys", "bench"}, (), {("guys", "on", "bench")})),
     ]
     for gold, ours in cases:
         assert score([ours], [parse_graph(gold)], NO_LEMMAS, True)[0]["all"]["f1"] == 1.0, gold
