@@ -64,7 +64,9 @@ zebra grazing on the grass"), right-headed noun compounds parsed left-headed ("f
 hydrant"), subjects attached to an auxiliary or labelled as a verb's compound, a noun
 conjoined with a verb ("holds a baby and smiles"), "X with A and B" lists and parallel
 "X with A and Y with B". All-capital and Title Case captions are parsed lower-cased
-(:func:`normalise_case`).
+(:func:`normalise_case`), and a caption that starts with a noun without an article ("bear
+lies on ground", a region caption) is parsed with "the " before it
+(:func:`features.scenegraph.learned.caption_text`).
 
 The stage (:func:`extract_scene_graphs`; its folder is written by
 :mod:`features.scenegraph.files`) loads only the
