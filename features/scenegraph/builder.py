@@ -29,6 +29,7 @@ from features.scenegraph.lexicon import (
     TRANSITIVE_VERBS,
     VERBS,
 )
+from features.scenegraph.placing import Placing
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _Tok:
         return f"{self.text}/{self.pos}/{self.dep}/{self.head}/{self.lemma}"
 
 
-class _Builder(Gaps):
+class _Builder(Gaps, Placing):
     """The rules over one repaired parse."""
 
     def __init__(self, toks: list[_Tok], attach=None, record: list | None = None):
@@ -441,48 +442,6 @@ class _Builder(Gaps):
             for s in subjects:
                 for phrase, o in targets:
                     self._add(s, phrase, o)
-
-    def _on_it(self, prep: _Tok, anchor: _Tok, words: list[_Tok]) -> None:
-        """ "A building with a clock on it", "the building has bricks on it", "a plate with a
-        fork and a knife on it", "a table with a laptop sitting on it", "a car with a canoe
-        on top of it": (clock, on, building), (brick, on, building), (fork, on, plate),
-        (laptop, sit on, table), (canoe, on top of, car), in place of the "with"/"have"
-        relation (FACTUAL's annotators write only the placing one)."""
-        toks = self.toks
-        pobjs = self._children(prep, "pobj")
-        if pobjs and self._is_relational(pobjs[0]):  # "on top of it"
-            of = next(c for c in self._children(pobjs[0], "prep") if c.text == "of")
-            words = [*words, pobjs[0], of]
-            pobjs = self._children(of, "pobj")
-        if not any(p.text in ("it", "them") for p in pobjs):
-            return
-        if anchor.pos in VERBS and anchor.dep == "acl" and anchor.head in self.index:
-            words = [anchor, *words]  # "a laptop sitting on it"
-            anchor = toks[anchor.head]
-        pairs = []
-        if anchor.i in self.index and anchor.dep in ("pobj", "conj", "dobj"):
-            first = anchor
-            while first.dep == "conj" and toks[first.head].i in self.index:
-                first = toks[first.head]
-            things = [e for c in self._conjuncts(first) for e in self._entities(c)]
-            head = toks[first.head]
-            if first.dep == "pobj" and head.text == "with" and head.head != head.i:
-                pairs = [(x, h) for x in things for h in self._entities(toks[head.head])]
-            elif first.dep == "dobj" and head.pos in VERBS and head.lemma == "have":
-                pairs = [(x, h) for x in things for h in self._subjects(head)]
-        elif anchor.pos in VERBS and anchor.lemma == "have":
-            things = [e for o in self._children(anchor, "dobj") for e in self._entities(o)]
-            pairs = [(x, h) for x in things for h in self._subjects(anchor)]
-        elif anchor.i in self.index:  # "with" and "on it" both on the holder
-            withs = [w for w in self._children(anchor, "prep") if w.text == "with"]
-            things = [
-                e for w in withs for o in self._children(w, "pobj") for e in self._entities(o)
-            ]
-            pairs = [(x, anchor.i) for x in things if x < prep.i]
-        for thing, holder in pairs:
-            if thing in self.index and holder in self.index:
-                self.located.add((self.index[holder], self.index[thing]))
-                self._add(thing, words, holder)
 
     def _attachment_point(self, anchor: _Tok, words: list[_Tok]) -> tuple[_Tok, _Tok] | None:
         """(verb, noun) between which a prepositional phrase headed by ``words`` may attach:
