@@ -74,3 +74,19 @@ def copy_project(repo_root: Path, to: Path) -> Path:
 def project(tmp_path, repo_root):
     """The repository copied into a new git repo (:func:`copy_project`)."""
     return copy_project(repo_root, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory, repo_root) -> tuple[Path, str]:
+    """A :func:`copy_project` after one ``dvc repro`` from scratch (the whole demo DAG: the
+    suite's most expensive step, done once), and that run's stdout. Read only: a test that
+    changes it works on a copy (:func:`copy_tree`)."""
+    root = copy_project(repo_root, tmp_path_factory.mktemp("reproduced"))
+    return root, run(["dvc", "repro"], root).stdout
+
+
+def copy_tree(source: Path, to: Path) -> Path:
+    """A full copy of ``source`` (outputs, DVC cache and run cache, git) at ``to``, with
+    its modification times."""
+    shutil.copytree(source, to, symlinks=True)
+    return to

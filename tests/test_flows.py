@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,21 @@ def harness():
 
 
 @pytest.fixture(scope="module")
-def flow_project(tmp_path_factory, repo_root):
-    """One project copy for this module's flows: the preemption test reuses the stages the
+def flow_project(tmp_path_factory, repo_root, reproduced):
+    """One project copy for this module's flows, without outputs but with the DVC cache of
+    the session's reproduced demo (conftest's `reproduced`): a stage that demo ran with the
+    same deps and params has its outputs restored from the run cache ("ran" all the same:
+    the flow's part is to run `dvc repro` on each stage in order). What runs for real: the
+    failing and the fixed `global` (params the demo never had) and vsepp's training, whose
+    run-cache entry is removed for the preemption test. That test reuses the stages the
     first test built (run alone, it builds them itself)."""
-    return copy_project(repo_root, tmp_path_factory.mktemp("project"))
+    project = copy_project(repo_root, tmp_path_factory.mktemp("project"))
+    shutil.copytree(reproduced[0] / ".dvc" / "cache", project / ".dvc" / "cache")
+    runs = (project / ".dvc" / "cache" / "runs").glob("*/*/*")
+    vsepp = [p for p in runs if yaml.safe_load(p.read_text())["cmd"].startswith("vse train vsepp")]
+    assert len(vsepp) == 1, vsepp
+    vsepp[0].unlink()
+    return project
 
 
 def test_dag_order_puts_dependencies_first(repo_root):

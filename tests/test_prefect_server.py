@@ -1,6 +1,10 @@
 """The README's Prefect recipe, run as written (another port and PREFECT_HOME): a real
 server started with --background, `vse prefect serve`, a plain deployment run and one with
-an override, which becomes a DVC experiment and leaves the workspace as it was."""
+an override, which becomes a DVC experiment and leaves the workspace as it was.
+
+It runs in a copy of the session's reproduced demo (conftest's `reproduced`) with mvvse's
+lambda_ changed: the features are up to date (the flows' own tests run them), and the
+plain run trains and evaluates mvvse for real, as the override run does."""
 
 import json
 import os
@@ -12,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, run
+import yaml
+from conftest import REPO, copy_tree, run
+
+LAMBDA = 0.6  # models.mvvse.lambda_ of the plain run: neither the demo's (0.7) nor the override
 
 
 def _free_port() -> int:
@@ -28,7 +35,12 @@ def readme_recipe() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_the_readme_recipe_serves_and_runs_deployments(project, tmp_path_factory):
+def test_the_readme_recipe_serves_and_runs_deployments(reproduced, tmp_path, tmp_path_factory):
+    project = copy_tree(reproduced[0], tmp_path / "project")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["models"]["mvvse"]["lambda_"] not in (LAMBDA, 0.5)
+    params["models"]["mvvse"]["lambda_"] = LAMBDA
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     home = tmp_path_factory.mktemp("prefect_home")
     port = str(_free_port())
     lines = [
@@ -74,6 +86,9 @@ def test_the_readme_recipe_serves_and_runs_deployments(project, tmp_path_factory
     assert proc.returncode == 0, out[-8000:]
     assert out.count("Completed") >= 2, out[-8000:]
 
+    # the plain run trained and evaluated mvvse with the workspace's lambda_
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert lock["train@mvvse"]["params"]["params.yaml"]["models.mvvse"]["lambda_"] == LAMBDA
     metrics = json.loads((project / "metrics/evaluate/mvvse.json").read_text())
     assert metrics["model"] == "mvvse" and metrics["full"]["rsum"] > 0
     for name in ("params.yaml", "dvc.lock"):  # the override run left the workspace alone
