@@ -2,12 +2,11 @@
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_project, run
+from conftest import copy_project, copy_tree, run
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
@@ -30,7 +29,7 @@ def flow_project(tmp_path_factory, repo_root, reproduced):
     run-cache entry is removed for the preemption test. That test reuses the stages the
     first test built (run alone, it builds them itself)."""
     project = copy_project(repo_root, tmp_path_factory.mktemp("project"))
-    shutil.copytree(reproduced[0] / ".dvc" / "cache", project / ".dvc" / "cache")
+    copy_tree(reproduced[0] / ".dvc" / "cache", project / ".dvc" / "cache")
     runs = (project / ".dvc" / "cache" / "runs").glob("*/*/*")
     vsepp = [p for p in runs if yaml.safe_load(p.read_text())["cmd"].startswith("vse train vsepp")]
     assert len(vsepp) == 1, vsepp
