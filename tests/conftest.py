@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A run's tmp folders peak at about 3 GB (torchvision checkpoints, copies of the demo); pytest
+# removes them as it goes (pyproject.toml: tmp_path_retention_policy).
+NEEDS_GB = 4
+
+
+def pytest_sessionstart(session):
+    """One clear line instead of hundreds of 'No space left on device' errors."""
+    where = Path(session.config.option.basetemp or tempfile.gettempdir())
+    where = next(p for p in (where, *where.parents) if p.exists())
+    free = shutil.disk_usage(where).free / 1e9
+    if free < NEEDS_GB:
+        pytest.exit(
+            f"tests: {free:.1f} GB free under {where}, and a run needs about {NEEDS_GB} GB: "
+            "free some space there (old pytest-of-* folders, say) or pass --basetemp DIR "
+            "on a larger disk",
+            returncode=1,
+        )
 
 
 @pytest.fixture
