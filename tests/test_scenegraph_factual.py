@@ -92,6 +92,9 @@ def test_neutral_conventions_meet_in_the_middle():
             raw({"guy", "skateboard"}, (), {("guy", "ride", "skateboard")}),
         ),
         ("( people , on , bench )", raw({"guys", "bench"}, (), {("guys", "on", "bench")})),
+        ("( table , is , wooden )", raw({"table"}, {("table", "wood")})),
+        ("( table , is , wooden )", raw({"wood table"})),
+        ("( woman , is , blonde )", raw({"woman"}, {("woman", "blond")})),
     ]
     for gold, ours in cases:
         assert score([ours], [parse_graph(gold)], NO_LEMMAS, True)[0]["all"]["f1"] == 1.0, gold
