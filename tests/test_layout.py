@@ -11,6 +11,17 @@ LAYERS = ("infra", "features", "models", "flows")  # each imports only those bef
 MAX_LINES = 600
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, relative ones resolved against ``package``
+    (the importing module's package): in ``features.store.writer``, ``from . import locks``
+    -> ``features.store`` (and ``features.store.locks`` among the names),
+    ``from ..shards import x`` -> ``features.shards``."""
+    if not node.level:
+        return node.module
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _modules() -> dict[str, set[str]]:
     """Every project module and the project modules it imports (inside functions too)."""
     graph = {}
@@ -18,12 +29,14 @@ def _modules() -> dict[str, set[str]]:
         for path in sorted((REPO / package).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
             targets = set()
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = _absolute(node, package)
+                    names = [base] + [f"{base}.{a.name}" for a in node.names]
                 else:
                     continue
                 targets |= {n for n in names if module_file(n) is not None}
@@ -83,6 +96,17 @@ def test_no_folder_imports_itself_back():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_relative_imports_resolve_to_the_module_they_name():
+    def absolute(code: str, package: str) -> str:
+        return _absolute(ast.parse(code).body[0], package)
+
+    assert absolute("from . import locks", "features.store") == "features.store"
+    assert absolute("from .locks import flock", "features.store") == "features.store.locks"
+    assert absolute("from ..shards import x", "features.store") == "features.shards"
+    assert absolute("from ...infra import y", "features.store.sub") == "infra"
+    assert absolute("from models import z", "features.store") == "models"
 
 
 def test_imports_point_down_the_layers():
