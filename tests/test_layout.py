@@ -105,7 +105,7 @@ def test_relative_imports_resolve_to_the_module_they_name():
     assert absolute("from . import locks", "features.store") == "features.store"
     assert absolute("from .locks import flock", "features.store") == "features.store.locks"
     assert absolute("from ..shards import x", "features.store") == "features.shards"
-    assert absolute("from ...infra import y", "features.store.sub") == "infra"
+    assert absolute("from ... import y", "features.store.sub") == "features"
     assert absolute("from models import z", "features.store") == "models"
 
 

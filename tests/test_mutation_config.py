@@ -1,0 +1,78 @@
+"""``make mutation``'s configuration covers what it claims: every module named by
+``tests/mutation.py``'s ``TARGETS`` is mutated (``only_mutate``), and every test file that
+imports one of them (directly or through a helper module of ``tests/``) is in mutmut's
+test selection, so no target module is scored without the tests that reach it."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+
+from dag_deps import REPO, module_file
+from mutation import TARGETS
+
+CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
+TESTS = REPO / "tests"
+
+
+def target_files() -> set[str]:
+    """The files of ``TARGETS``' modules (a package's pattern, every module inside it),
+    relative to the repository."""
+    out = set()
+    for pattern in TARGETS:
+        module = pattern.split(".x_")[0].split(".xǁ")[0].removesuffix(".*")
+        path = module_file(module)
+        assert path is not None, f"TARGETS: {pattern!r} names no module of the project"
+        files = path.parent.glob("*.py") if path.name == "__init__.py" else [path]
+        out |= {str(p.relative_to(REPO)) for p in files if p.name != "__init__.py"}
+    return out
+
+
+def imported(path) -> set[str]:
+    """Project modules and ``tests/`` helper modules that ``path`` imports anywhere."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def reached_files(test_file, seen=None) -> set[str]:
+    """The project files ``test_file`` imports, through ``tests/`` helpers too."""
+    seen = set() if seen is None else seen
+    out = set()
+    for name in imported(test_file):
+        if (found := module_file(name)) is not None:
+            out.add(str(found.relative_to(REPO)))
+        elif (helper := TESTS / f"{name}.py").is_file() and helper not in seen:
+            seen.add(helper)
+            out |= reached_files(helper, seen)
+    return out
+
+
+def test_every_target_module_is_mutated():
+    missing = sorted(target_files() - set(CONFIG["only_mutate"]))
+    assert not missing, f"pyproject.toml [tool.mutmut] only_mutate lacks {missing}"
+
+
+def test_every_test_that_imports_a_target_is_selected():
+    targets = target_files()
+    selected = set(CONFIG["pytest_add_cli_args_test_selection"])
+    missing = {
+        f"tests/{p.name}": sorted(hit)
+        for p in sorted(TESTS.glob("test_*.py"))
+        if (hit := reached_files(p) & targets) and f"tests/{p.name}" not in selected
+    }
+    assert not missing, (
+        f"pyproject.toml [tool.mutmut] pytest_add_cli_args_test_selection lacks test files "
+        f"that import target modules: {missing}"
+    )
+
+
+def test_the_check_sees_a_test_importing_a_target(tmp_path):
+    test = tmp_path / "test_x.py"
+    test.write_text("from features.exchange.milvlg_npz import read_npz\nimport model_data\n")
+    assert "features/exchange/milvlg_npz.py" in reached_files(test)
+    assert "features/exchange/milvlg_npz.py" in target_files()
