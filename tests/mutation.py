@@ -6,24 +6,35 @@ test notices *survives*. A survivor is either killed by a new test or listed in
 ``tests/mutation_equivalent.txt`` with one line saying why it cannot change a result (an
 equivalent mutant). This script runs mutmut over ``TARGETS`` (or reads the last run with
 ``--report``), prints the score per module with the equivalent mutants set aside, and
-lists every survivor that is neither killed nor explained. It exits non-zero when one is
-left or the score is under ``--min-score``.
+lists every survivor that is neither killed nor explained. Unreached mutants (no selected
+test calls the function, or the run was cut short) count as survivors.
 
-    python tests/mutation.py                 # run (about 30-60 min on 2 cores) and report
+Each equivalent entry is pinned to its mutant: ``NAME  PIN  # why``, where PIN hashes the
+mutated function before and after the mutation (:func:`pin_of`). An entry whose mutant no
+longer exists, whose function changed since the reason was written, that has no pin, or
+that a test kills, fails the run; so does a survivor left unexplained, or a module scoring
+under ``--min-score``.
+
+    python tests/mutation.py                 # run (about an hour on 2 cores) and report
     python tests/mutation.py --report        # report the last run again
     python tests/mutation.py 'models.metrics.*'   # one module (mutmut's name globs)
+    python tests/mutation.py --generate --review   # mutants only: each entry's diff and why
+    python tests/mutation.py --pin           # pin entries without a pin (after a review)
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import fnmatch
+import hashlib
 import os
 import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT = REPO / "tests" / "mutation_equivalent.txt"
@@ -57,6 +68,10 @@ TARGETS = [
 ]
 
 LINE = re.compile(r"^\s+(\S+): (.+)$")
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # the tests noticed
+# every other status is scored as a survivor: "survived", and the unreached ones ("no
+# tests": no selected test calls the function; "not checked": the run was cut short;
+# "suspicious", "skipped")
 
 
 def module_of(name: str) -> str:
@@ -64,8 +79,14 @@ def module_of(name: str) -> str:
     return re.split(r"\.xǁ|\.x_", name, maxsplit=1)[0]
 
 
-def read_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
-    """``name  # why`` per line (blank lines and lines starting with ``#`` skipped)."""
+class Entry(NamedTuple):
+    pin: str  # the mutant's fingerprint when the reason was written ("" if not pinned)
+    why: str
+
+
+def read_equivalent(path: Path | None = None) -> dict[str, Entry]:
+    """``name  pin  # why`` per line (blank lines and lines starting with ``#`` skipped)."""
+    path = path or EQUIVALENT
     out = {}
     if not path.exists():
         return out
@@ -73,11 +94,157 @@ def read_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, why = line.partition("#")
-        if not sep or not why.strip():
-            sys.exit(f"error: {path}:{n}: '{name.strip()}' needs '# why it is equivalent'")
-        out[name.strip()] = why.strip()
+        head, sep, why = line.partition("#")
+        words = head.split()
+        if not sep or not why.strip() or len(words) not in (1, 2):
+            sys.exit(f"error: {path}:{n}: write 'NAME  PIN  # why it is equivalent'")
+        out[words[0]] = Entry(words[1] if len(words) == 2 else "", why.strip())
     return out
+
+
+def write_pins(pins: dict[str, str], path: Path | None = None) -> int:
+    """Fill in the pin of every entry that has none; entries already pinned stay as they
+    are (a pin that no longer matches is reviewed by hand, then its pin deleted and
+    refilled here). Returns the number of pins written."""
+    path = path or EQUIVALENT
+    lines, written = [], 0
+    for line in path.read_text().splitlines():
+        head, sep, why = line.partition("#")
+        words = head.split()
+        if sep and len(words) == 1 and words[0] in pins:
+            line = f"{words[0]}  {pins[words[0]]}  #{why}"
+            written += 1
+        lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
+    return written
+
+
+def mutant_functions(name: str) -> tuple[str, str] | None:
+    """The original function and the mutant, as mutmut generated them into ``mutants/``
+    (both under the function's own name), or None when no such mutant exists there."""
+    import libcst as cst
+    from mutmut.mutation import diff_apply
+
+    path = Path(*module_of(name).split(".")).with_suffix(".py")
+    if not (REPO / "mutants" / path).exists():
+        return None
+    cwd = os.getcwd()
+    os.chdir(REPO)  # mutmut reads mutants/ relative to the working folder
+    try:
+        funcs = diff_apply.read_functions_from_index(name, path)
+        if funcs is None:
+            module = diff_apply.read_mutants_module(path)
+            funcs = (
+                diff_apply.read_original_function(module, name),
+                diff_apply.read_mutant_function(module, name),
+            )
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    finally:
+        os.chdir(cwd)
+    orig, mutant = (cst.Module([f]).code.strip() for f in funcs)
+    return (orig, mutant) if orig != mutant else None
+
+
+def pin_of(name: str) -> str | None:
+    """A mutant's fingerprint: a hash of its function before and after the mutation, so
+    that a change anywhere in the function (not only on the mutated line) unpins it."""
+    funcs = mutant_functions(name)
+    if funcs is None:
+        return None
+    return hashlib.sha256("\n\0\n".join(funcs).encode()).hexdigest()[:12]
+
+
+def diff_of(name: str) -> str:
+    funcs = mutant_functions(name)
+    if funcs is None:
+        return "(no such mutant)"
+    orig, mutant = funcs
+    return "\n".join(difflib.unified_diff(orig.split("\n"), mutant.split("\n"), lineterm="", n=1))
+
+
+def check_equivalent(equivalent: dict[str, Entry], modules: set[str], pin=pin_of) -> list[str]:
+    """What is wrong with the equivalent list for ``modules``: entries whose mutant no
+    longer exists, whose function changed since the reason was written, or not pinned."""
+    problems = []
+    for name, entry in sorted(equivalent.items()):
+        if module_of(name) not in modules:
+            continue
+        now = pin(name)
+        if now is None:
+            problems.append(f"stale: {name} names no mutant of today's code: drop the line")
+        elif not entry.pin:
+            problems.append(f"unpinned: {name}: review its diff, then --pin")
+        elif entry.pin != now:
+            problems.append(
+                f"changed: {name}'s function changed since its reason was written "
+                f"(pin {entry.pin}, now {now}): review it (mutmut show {name}), then re-pin"
+            )
+    return problems
+
+
+def score(statuses: dict[str, str], equivalent: dict[str, Entry]) -> dict[str, Counter]:
+    """Per module: killed, equivalent, survived (unreached included) and the statuses."""
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for name, status in statuses.items():
+        c = counts[module_of(name)]
+        if status == "survived" and name in equivalent:
+            c["equivalent"] += 1
+        elif status in KILLED:
+            c["killed"] += 1
+        else:
+            c["survived"] += 1
+            if status != "survived":
+                c["unreached"] += 1
+    return counts
+
+
+def percent(c: Counter) -> float:
+    scored = c["killed"] + c["survived"]
+    return 100.0 * c["killed"] / scored if scored else 100.0
+
+
+def report(
+    statuses: dict[str, str], patterns: list[str], min_score: float, pin=pin_of, out=print
+) -> int:
+    chosen = {k: v for k, v in statuses.items() if any(fnmatch.fnmatch(k, p) for p in patterns)}
+    equivalent = read_equivalent()
+    counts = score(chosen, equivalent)
+    out(
+        f"{'module':28} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9}"
+        f" {'unreached':>9} {'score':>6}"
+    )
+    total = Counter()
+    for mod, c in sorted(counts.items()):
+        total.update(c)
+        row = f"{c['killed']:7d} {c['equivalent']:7d} {c['survived']:9d} {c['unreached']:9d}"
+        n = c["killed"] + c["equivalent"] + c["survived"]
+        out(f"{mod:28} {n:8d} {row} {percent(c):5.1f}%")
+    n = total["killed"] + total["equivalent"] + total["survived"]
+    row = f"{total['killed']:7d} {total['equivalent']:7d} {total['survived']:9d}"
+    out(f"{'all':28} {n:8d} {row} {total['unreached']:9d} {percent(total):5.1f}%")
+    problems = check_equivalent(equivalent, set(counts), pin)
+    problems += [
+        f"killed: {name} is listed as equivalent but a test kills it ({chosen[name]}): "
+        "drop the line"
+        for name in sorted(equivalent)
+        if name in chosen and chosen[name] in KILLED
+    ]
+    left = [
+        f"{status}: {name}   (mutmut show {name})"
+        for name, status in sorted(chosen.items())
+        if status not in KILLED and name not in equivalent
+    ]
+    for line in problems + left:
+        out(line)
+    low = sorted(mod for mod, c in counts.items() if percent(c) < min_score)
+    if problems or left or low:
+        out(
+            f"{len(left)} survivor(s) neither killed nor explained, {len(problems)} problem(s) "
+            f"with {EQUIVALENT.name}; modules under {min_score:.0f}%: {low or 'none'}"
+        )
+        return 1
+    return 0
 
 
 def results() -> dict[str, str]:
@@ -90,62 +257,48 @@ def results() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in map(LINE.match, out.stdout.splitlines()) if m}
 
 
-def report(statuses: dict[str, str], patterns: list[str], min_score: float) -> int:
-    chosen = {k: v for k, v in statuses.items() if any(fnmatch.fnmatch(k, p) for p in patterns)}
-    equivalent = read_equivalent()
-    counts: dict[str, Counter] = defaultdict(Counter)
-    left = []
-    for name, status in sorted(chosen.items()):
-        mod = module_of(name)
-        if status == "survived" and name in equivalent:
-            counts[mod]["equivalent"] += 1
-        elif status in ("killed", "timeout", "segfault"):
-            counts[mod]["killed"] += 1  # a mutant that hangs or crashes the tests is caught
-        elif status == "survived":
-            counts[mod]["survived"] += 1
-            left.append(name)
-        else:
-            counts[mod][status] += 1
-    print(f"{'module':28} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9} {'score':>6}")
-    total = Counter()
-    for mod, c in sorted(counts.items()):
-        total.update(c)
-        n = sum(c.values())
-        scored = c["killed"] + c["survived"]
-        score = 100.0 * c["killed"] / scored if scored else 100.0
-        row = f"{c['killed']:7d} {c['equivalent']:7d} {c['survived']:9d} {score:5.1f}%"
-        print(f"{mod:28} {n:8d} {row}")
-    scored = total["killed"] + total["survived"]
-    score = 100.0 * total["killed"] / scored if scored else 100.0
-    print(
-        f"{'all':28} {sum(total.values()):8d} {total['killed']:7d} {total['equivalent']:7d}"
-        f" {total['survived']:9d} {score:5.1f}%"
-    )
-    other = {k: v for k, v in total.items() if k not in ("killed", "survived", "equivalent")}
-    if other:
-        print(f"not scored: {dict(other)} (no tests reach them, or the run was cut short)")
-    stale = sorted(n for n in equivalent if chosen and n in chosen and chosen[n] != "survived")
-    for name in stale:
-        print(f"note: {name} is listed as equivalent but was {chosen[name]}: drop the line")
-    for name in left:
-        print(f"survived: {name}   (mutmut show {name})")
-    if left or score < min_score:
-        print(
-            f"{len(left)} survivor(s) neither killed nor explained; score {score:.1f}% "
-            f"(at least {min_score:.0f}% wanted)"
-        )
-        return 1
-    return 0
+def generate() -> None:
+    """Generate ``mutants/`` with mutmut's own mutator, running no test (for --review and
+    --pin without a run of an hour)."""
+    from mutmut import __main__ as mm
+
+    os.chdir(REPO)
+    mm.set_mutant_under_test("mutant_generation")
+    Path("mutants").mkdir(exist_ok=True)
+    mm.copy_src_dir()
+    mm.copy_also_copy_files()
+    mm.setup_source_paths()
+    mm.create_mutants(os.cpu_count() or 1)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("patterns", nargs="*", help="mutant name globs (default: TARGETS)")
     ap.add_argument("--report", action="store_true", help="report the last run, run nothing")
-    ap.add_argument("--min-score", type=float, default=85.0)
+    ap.add_argument("--generate", action="store_true", help="only generate mutants/, no test")
+    ap.add_argument(
+        "--review", action="store_true", help="print each equivalent entry's diff and reason"
+    )
+    ap.add_argument("--pin", action="store_true", help="pin the entries that have no pin")
+    ap.add_argument("--min-score", type=float, default=90.0, help="per module, in percent")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     patterns = args.patterns or TARGETS
+    if args.generate:
+        generate()
+    if args.review or args.pin:
+        chosen = [n for n in read_equivalent() if any(fnmatch.fnmatch(n, p) for p in patterns)]
+        if args.review:
+            for name in chosen:
+                entry = read_equivalent()[name]
+                print(f"=== {name}  pin {entry.pin or '-'} now {pin_of(name)}\n# {entry.why}")
+                print(diff_of(name))
+        if args.pin:
+            pins = {n: p for n in chosen if (p := pin_of(n)) is not None}
+            print(f"pinned {write_pins(pins)} entries of {EQUIVALENT.name}")
+        return 0
+    if args.generate:
+        return 0
     if not args.report:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per mutant process
         cmd = ["mutmut", "run", "--max-children", str(args.jobs), *patterns]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from device_check import made_elsewhere
 from model_data import TinyPairs
 
 from infra.finite import NonFiniteError
@@ -478,6 +479,7 @@ def test_classification_uses_each_modalitys_layer():
     assert got["accuracy_image"] == pytest.approx(100 * right_img.mean())
     assert got["accuracy_text"] == pytest.approx(100 * right_txt.mean())
     assert right_txt.mean() != wrong_txt.mean()  # the layers differ on these captions
+    assert got["fusion_weight_image"] == 0.5  # without a val-chosen weight: equal fusion
 
 
 def naive_i2t(sims, c2i):
@@ -517,6 +519,9 @@ def test_adversarial_metrics_match_loops(seed):
         want = naive_i2t((img @ candidates.t()).numpy(), owner)
         assert metrics == pytest.approx(want | {"fake_captions": len(cols)}), attack
         assert want["i2t_meanr"] > clean["i2t_meanr"]  # the fakes did push real captions down
+    with made_elsewhere():  # every tensor it makes is on the embeddings' device
+        again = adversarial_metrics(Embeddings(), img, txt, data, adversarial, 7, img.device)
+    assert again == got
 
 
 def test_evaluate_model_of_a_real_model_matches_its_direct_embeddings(data):

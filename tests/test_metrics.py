@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from device_check import made_elsewhere
 
-from models.metrics import fold_metrics, retrieval_metrics, similarity_matrix
+from models.metrics import fold_metrics, retrieval_metrics, retrieval_ranks, similarity_matrix
 
 
 def naive(sims: np.ndarray, c2i: np.ndarray) -> dict:
@@ -159,3 +160,34 @@ def test_non_finite_similarities_are_refused_not_ranked(value):
     sims[5, 2] = value
     with pytest.raises(NonFiniteError, match="image 5 and caption 2 is"):
         retrieval_metrics(sims, torch.arange(12) // 2, chunk=2)
+
+
+def test_tensors_are_made_on_the_scores_device():
+    """On a GPU a tensor made on the CPU beside CUDA scores fails or costs a copy; here a
+    tensor made without the scores' device lands on the meta device and fails."""
+    torch.manual_seed(0)
+    sims = torch.randn(10, 50)
+    c2i = np.repeat(np.arange(10), 5)  # numpy: becomes a tensor inside, on sims' device
+    img, txt = torch.randn(10, 8), torch.randn(50, 8)
+    want = retrieval_ranks(sims, c2i), fold_metrics(sims, c2i, 5)
+    chunked = similarity_matrix(lambda a, b: a @ b.t(), img, txt, max_elements=100)
+    with made_elsewhere():
+        ranks = retrieval_ranks(sims, c2i)
+        folds = fold_metrics(sims, c2i, 5)
+        again = similarity_matrix(lambda a, b: a @ b.t(), img, txt, max_elements=100)
+    assert all(torch.equal(a, b) for a, b in zip(ranks, want[0], strict=True))
+    assert folds == want[1]
+    assert again.device == chunked.device and torch.equal(again, chunked)
+    with made_elsewhere(), pytest.raises((RuntimeError, NotImplementedError)):  # it can fail
+        torch.full((3,), 1.0) + sims[0, :3]
+
+
+def test_mean_ranks_are_exact_in_float64():
+    """meanr is the float64 mean of integer ranks: counted in float32, 2/3 + 1 would read
+    1.6666667461 in the metrics file."""
+    sims = torch.tensor([[0.9, 0.1, 0.5], [0.3, 0.8, 0.9], [0.2, 0.6, 0.5]])
+    c2i = torch.tensor([0, 1, 2])  # i2t ranks 0, 1, 1; t2i ranks 0, 0, 1
+    m = retrieval_metrics(sims, c2i)
+    assert m["i2t_meanr"] == float(np.mean([0, 1, 1]) + 1)
+    assert m["t2i_meanr"] == float(np.mean([0, 0, 1]) + 1)
+    assert m["i2t_meanr"] != float(np.float32(2 / 3) + 1)  # float32 would tell

@@ -5,6 +5,9 @@ an overfit run on TinyPairs."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -756,3 +759,26 @@ def test_cuda_loss_and_negatives():
     out["loss"].backward()
     assert torch.isfinite(out["loss"].float()) and torch.isfinite(plain["loss"].float())
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_glove_files_are_read_as_utf8_whatever_the_locale(tmp_path):
+    """glove.840B is UTF-8; under an ASCII locale (C, with Python's coercion to UTF-8 off)
+    a reader that used the locale's encoding would miss the words with non-ASCII letters."""
+    path = tmp_path / "vectors.txt"
+    path.write_bytes("café 1 2\nnaïve 3 4\n".encode())
+    code = (  # ASCII only: the command line itself is read in the locale's encoding
+        "import locale, sys; from models.univse import load_glove; "
+        "words = ['caf\\u00e9', 'na\\u00efve']; "
+        "print(locale.getencoding(), load_glove(sys.argv[1], words).tolist())"
+    )
+    env = {
+        **os.environ,
+        "LC_ALL": "C",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONUTF8": "0",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], env=env, capture_output=True, check=True
+    ).stdout.decode()
+    assert out.split(" ", 1) == ["ANSI_X3.4-1968", "[[1.0, 2.0], [3.0, 4.0]]\n"]
