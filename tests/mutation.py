@@ -65,6 +65,16 @@ TARGETS = [
     "features.detector.metrics.x__recall*",
     "features.detector.metrics.x_evaluate_detector*",
     "features.exchange.*",  # precomp and bottom-up-attention TSV import/export
+    # what tells users that something is wrong, and the files they read
+    "features.store.integrity.*",  # checksums, commit markers, vse store verify
+    "features.shards.reader.x_read_sizes*",  # the shards' manifest
+    "features.shards.reader.x_check_sources*",  # shards against the stores they came from
+    "features.images.global_features.x_pooled_features*",  # pooled global features, PCA
+    "features.images.global_features.x_fit_pca*",
+    "features.images.global_features.x_project*",
+    "models.train.x_write_history*",  # the training history (metrics JSON and plot data)
+    "models.train.x_load_checkpoint*",  # checkpoint loading
+    "infra.resume.x_read_checkpoint*",
 ]
 
 LINE = re.compile(r"^\s+(\S+): (.+)$")
