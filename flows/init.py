@@ -72,7 +72,7 @@ class Plan:
 STAGE_RULES: dict[str, Callable[[Plan], bool]] = {
     "demo-data": lambda plan: False,  # the demo's synthetic images
     "detector": lambda plan: plan.boxes,  # trains on the dataset's boxes
-    "graph_rise": lambda plan: "huse" in plan.models,  # HUSE's image input (issue 26)
+    "graph_rise": lambda plan: "huse" in plan.models,  # HUSE's image input
 }
 
 

@@ -29,6 +29,12 @@ class UserError(RuntimeError):
     """A failure the user can fix; the message names the file, key or item and what to do."""
 
 
+def one_line(detail, limit: int = 160) -> str:
+    """``detail`` (an exception or text) as one line of at most ``limit`` characters, to
+    quote inside a one-line error message."""
+    return " ".join(str(detail).split())[:limit]
+
+
 class ConfigError(ValueError):
     """A config file failed validation; the message lists every problem by key path."""
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infra.config import UserError
+from infra.config import UserError, one_line
 from infra.files import save_torch
 
 # Exit status of a run stopped by SIGTERM/SIGINT after it wrote ``last.pt``: rerun the same
@@ -41,7 +41,7 @@ def read_checkpoint(
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file: one line naming it
-        detail = " ".join(str(err).split())[:160]
+        detail = one_line(err)
         raise error(
             f"{path}: not a checkpoint torch can read as plain data ({type(err).__name__}: "
             f"{detail}); {hint}"
@@ -100,7 +100,7 @@ def restore_training(
         if device.type == "cuda" and ckpt["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     except Exception as err:  # noqa: BLE001 - weights or states that do not fit
-        detail = " ".join(str(err).split())[:160]
+        detail = one_line(err)
         raise error(f"{path}: its training state does not load ({detail}); {hint}") from None
     return ckpt
 
@@ -201,7 +201,7 @@ class StepCheckpoints:
         try:
             save_torch(obj, path)
         except Exception as err:  # noqa: BLE001 - reported by wait(), in the training thread
-            detail = " ".join(str(err).split())[:160]
+            detail = one_line(err)
             self._failed = (
                 f"{path}: writing the checkpoint failed ({type(err).__name__}: {detail}); "
                 "free disk space or fix the folder, then rerun with --resume (the "

@@ -1,5 +1,5 @@
 """CAMERA: Context-Aware Multi-View Summarization Network for Image-Text Matching (Qu, Liu,
-Cao, Nie, Tian; ACM MM 2020; ``../shared/papers/camera.txt``).
+Cao, Nie, Tian; ACM MM 2020).
 
 - AGSA, adaptive gating self-attention (eq. 1-7): multi-head scaled dot-product attention
   whose per-head queries and keys are gated by sigmoid masks computed from the element-wise

@@ -1,6 +1,6 @@
 """HUSE: Hierarchical Universal Semantic Embeddings (Narayana, Pednekar, Krishnamoorthy,
-Sone, Basu; arXiv 2019; ``../shared/papers/huse.txt``; the text file lost its equations,
-the forms below are those of the project issue).
+Sone, Basu; arXiv 2019). The paper's equations, as numbered below, in the forms this
+module implements.
 
 - Towers (Sec. 3.2): the image tower is ``image_layers`` fully connected layers of
   ``hidden`` units (paper: 5 x 512) on the precomputed global image feature, the text

@@ -1,7 +1,6 @@
-"""Multi-View Visual Semantic Embedding (Li, Guo, Feng, Hwang, Xue; IJCAI 2022;
-``../shared/papers/mv-vse.txt``), applied to GPO (Chen et al., "Learning the best pooling
-strategy for visual semantic embedding", CVPR 2021; vse_infty), as in the paper's
-experiments ("GPO (MV-VSE)").
+"""Multi-View Visual Semantic Embedding (Li, Guo, Feng, Hwang, Xue; IJCAI 2022), applied to
+GPO (Chen et al., "Learning the best pooling strategy for visual semantic embedding",
+CVPR 2021; vse_infty), as in the paper's experiments ("GPO (MV-VSE)").
 
 - Features (eq. 1): region features through FC + a 2-layer MLP residual (vse_infty's
   ``EncoderImageAggr``, precomp "basic"); words through a BiGRU with its two directions
@@ -19,55 +18,13 @@ Reading of the paper: the text of eq. 8, 10 and 13 lost its symbols; they are ta
 ``1/K sum_k`` (which makes eq. 14, L_Max <= L_Up <= L_Up-Rough, hold), with the hardest
 negatives of eq. 10-12 chosen by s* as in eq. 9, and the indicators as constants.
 
-Paper vs official code. MV-VSE's official code is ``AAA-Zheng/MV-VSE`` (its README: "Official
-PyTorch implementation"; ``model.py``, ``train.py``); GPO's is ``woodfrog/vse_infty``. This
-file follows the MV-VSE paper where they differ:
-
-- Architecture. Paper (sec. 3.2, 4.2): K GPO aggregators on GPO's shared region features,
-  BiGRU or BERT text with GPO. Official ``model.py``: ``EncoderImage`` is K separate Linear
-  layers on the regions, each followed by max pooling over the regions (no GPO, no MLP);
-  ``EncoderText`` is VSE++'s one-direction GRU, last state. Ours: the paper's "GPO (MV-VSE)".
-- K. Paper: K = 3. Official ``train.py``: ``--k`` defaults to 2. Ours: 3.
-- Overall loss. Paper eq. 15: ``lambda L_Max + (1 - lambda) L_Up``, lambda = 0.7. Official
-  ``TripletLoss.forward`` returns ``weight * up_loss + (1 - weight) * low_loss`` with
-  ``--weight`` 0.7: the 0.7 is on the Up term, and neither term is the paper's. Its
-  ``up_loss`` is ``[alpha - s(v_k, t) + s*(V, T^)]_+`` without the indicators of eq. 11-12
-  (eq. 13, the rough bound); its ``low_loss`` is ``[alpha - s*(V, T) + s(v_k, t^_k)]_+`` with
-  the hardest negative of view k alone, averaged over the views: not eq. 9 (it is at most
-  L_Max). Ours: eq. 15 as written, 0.7 Max (eq. 9) + 0.3 Up (eq. 10-12).
-- Reductions (the paper writes per-pair losses). Official: each direction averaged over the
-  batch, the two directions averaged, then the views averaged. Ours: summed over the batch
-  and over the two directions (VSE++'s and vse_infty's ``ContrastiveLoss``), averaged over
-  the views: for the same violations, 2B times the official value, which matters for
-  ``train.grad_clip``.
-- Training (official ``train.py``): Adam, lr 5e-4, 20 epochs with ``--lr_update 20`` (no
-  decay), gradient norm clipped at 2, batch 128, embedding 1024, word_dim 300, the hardest
-  negatives from the first step. Ours: the shared ``train`` section.
-- The stored official code does not run as it is: ``VSE.forward_loss`` unpacks five values
-  from ``TripletLoss.forward``, which returns three.
-
-GPO's code (``woodfrog/vse_infty``) against ours, where MV-VSE keeps GPO:
-
-- Same: the region encoder ``fc(x) + mlp(x)`` with Xavier-initialised ``fc``
-  (``lib/encoders.py``, ``EncoderImageAggr``; ``lib/modules/mlp.py``, ``MLP``: Linear,
-  BatchNorm, ReLU, Linear); GPO with d_pe = d_hidden = 32, temperature 0.1 and -10000 at
-  padded positions (``lib/modules/aggr/gpo.py``, ``GPO.compute_pool_weights``); L2
-  normalisation after pooling; the VSE++ hinge summed over the batch (``lib/loss.py``).
-- Warm-up. ``train_region.sh`` passes ``--vse_mean_warmup_epochs 1``: ``train.py`` turns
-  ``max_violation`` on from epoch 1, so the first epoch is sum-of-hinges. Ours: hardest
-  negatives throughout (the MV-VSE paper mentions no warm-up; its official code has none).
-- Data augmentation. ``lib/datasets/image_caption.py``: ``PrecompRegionDataset`` drops each
-  region with probability 0.2 in training and ``process_caption`` masks, replaces or deletes
-  20% of the words. Ours: none.
-- BatchNorm statistics. ``MLP.forward`` normalises all B x N rows, zero padding included,
-  and with the region dropping nearly every training batch is padded. Ours: the valid
-  regions only.
-- BERT. vse_infty fine-tunes it at 0.1 x the LR (``lib/vse.py``, ``VSEModel.__init__``).
-  Ours (``text_encoder: bert``): the text store's frozen token features, so only the FC and
-  GPO on top of them are trained.
-- Training (``train_region.sh``, ``lib/vse.py``): AdamW, weight decay 1e-4, lr 5e-4,
-  25 epochs, x0.1 at epoch 15, gradient norm clipped at 2. Ours: the shared ``train``
-  section.
+Where this follows the paper rather than the official code (``AAA-Zheng/MV-VSE``, GPO's
+``woodfrog/vse_infty``): K = 3 GPO views on GPO's region encoder (official: K = 2 linear
+views with max pooling); the overall loss is eq. 15 as written, 0.7 L_Max + 0.3 L_Up with
+the indicators of eq. 11-12 (official: 0.7 on a rough Up term); losses summed over the batch
+and both directions, averaged over views; hardest negatives from the first step, no data
+augmentation, BatchNorm over valid regions only, frozen BERT token features. The full
+comparison, file by file, is in ``docs/design/mvvse-official-code.md``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ MODEL_NAMES = tuple(MODELS)
 # batch key -> the image stores that may hold it, the default first (dvc.yaml passes the
 # store as --<store>): a global vector is the grid's pooled PCA or Graph-RISE's embedding
 STORES = {"image": ("global", "graph_rise"), "regions": ("regions",), "grid": ("grid",)}
-DEFAULT_STORES = {"huse": "graph_rise"}  # HUSE reads the Graph-RISE embedding (issue 26)
+DEFAULT_STORES = {"huse": "graph_rise"}  # HUSE reads the Graph-RISE embedding
 
 
 def model_module(name: str) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infra.config import Section, UserError
+from infra.config import Section, UserError, one_line
 from infra.device import autocast, resolve_device
 from infra.files import save_torch
 from infra.resume import (
@@ -75,7 +75,7 @@ def load_checkpoint(
     from models.registry import MODELS, model_class
 
     def refuse(what: str, err: BaseException | None = None) -> TrainingError:
-        detail = f" ({type(err).__name__}: {' '.join(str(err).split())[:160]})" if err else ""
+        detail = f" ({type(err).__name__}: {one_line(err)})" if err else ""
         return TrainingError(
             f"{path}: {what}{detail}; give best.pt or last.pt as `vse train` writes them "
             "(dvc repro train@MODEL)"

@@ -1,5 +1,5 @@
 """UniVSE: Unified Visual-Semantic Embeddings: Bridging Vision and Language with Structured
-Meaning Representations (Wu, Jiang, Mao, Ma, Wang; CVPR 2019; ``../shared/papers/univse.txt``).
+Meaning Representations (Wu, Jiang, Mao, Ma, Wang; CVPR 2019).
 
 - Words (sec. 3.2): every vocabulary word has a basic embedding ``w^(basic)`` (d_basic,
   initialised from GloVe when ``load_glove`` + ``init_basic_embeddings`` are used, random
@@ -37,7 +37,7 @@ predicate enters psi one phi(word) per step, between the subject and the object.
 
 Paper vs official code: no official code was found (the public ``salanueva/UniVSE`` is a
 third-party reimplementation that, by its README, does not train as intended). The paper
-defers model details to its supplement, which is not in ``../shared/papers``. Choices the
+defers model details to its supplement, which we have not seen. Choices the
 paper leaves open:
 
 - The margin delta of eq. 1 and 3 (0.2, VSE++'s) and d_modif (300) are not stated.

@@ -1,5 +1,5 @@
 """VSE++: Improving Visual-Semantic Embeddings with Hard Negatives (Faghri et al., BMVC
-2018; ``../shared/papers/vsepp-zh.txt``).
+2018).
 
 - Image: f(i) = W_f^T phi(i) (eq. 1), phi the precomputed global CNN feature (the
   paper's fixed-feature setting), then L2 normalisation.

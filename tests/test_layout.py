@@ -4,6 +4,7 @@ no module or folder imports itself back through others, no file over 600 lines."
 from __future__ import annotations
 
 import ast
+import re
 
 from dag_deps import PACKAGES, REPO, module_file
 
@@ -130,3 +131,18 @@ def test_no_file_over_600_lines():
 def test_features_top_level_is_folders_and_a_few_modules():
     modules = sorted(p.name for p in (REPO / "features").glob("*.py") if p.name != "__init__.py")
     assert len(modules) <= 3, f"features/ holds modules that belong in a folder: {modules}"
+
+
+HISTORY = re.compile(r"\b(?:[Ii]ssue|[Rr]ound) \d|\.\./shared\b|\b(?:RECIPES|DESIGN)\.md\b")
+
+
+def test_the_code_states_behaviour_not_history():
+    """No issue numbers or rounds (a clone cannot follow them), no paths outside the
+    repository, in the package's code and comments and in pyproject.toml."""
+    found = []
+    files = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    for path in [*files, REPO / "pyproject.toml"]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if HISTORY.search(line):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "history or outside paths in the code:\n" + "\n".join(found)

@@ -37,7 +37,7 @@ from features.detector.config import DetectorConfig
 from features.ingest.manifest import Manifest
 from features.ingest.readers import held_out
 from features.ingest.validate import Issue, Report, write_errors
-from infra.config import UserError
+from infra.config import UserError, one_line
 
 
 class DetectionDataError(UserError):
@@ -103,7 +103,7 @@ class _Problems:
 
     def __call__(self, key: str, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
-        self.issues.append(Issue(key, reason, " ".join(detail.split())[:300]))
+        self.issues.append(Issue(key, reason, one_line(detail, 300)))
 
 
 def _number(value) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from features.exchange.butd_tsv import LABELS, MalformedRow, Source, import_regions
 from features.ingest.manifest import IngestError, Manifest
 from features.store.spec import StoreConfig
+from infra.config import one_line
 
 NPZ_ARRAYS = ("x", "bbox", "num_bbox", "image_h", "image_w")
 
@@ -85,7 +86,7 @@ def read_npz(path: Path) -> dict:
     except MalformedRow:
         raise
     except Exception as err:  # noqa: BLE001 - a truncated or damaged archive: one line
-        detail = " ".join(str(err).split())[:120]
+        detail = one_line(err, 120)
         raise MalformedRow(
             f"{path}: not a readable .npz ({type(err).__name__}: {detail})"
         ) from None

@@ -32,6 +32,7 @@ from features.ingest.manifest import (
 from features.ingest.validate import check_key
 from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
 from features.store.writer import StoreWriter
+from infra.config import one_line
 from infra.finite import NON_FINITE, finite_rows
 
 PRECOMP_SPLITS = {"train": "train", "dev": "val", "test": "test", "testall": "test"}
@@ -62,7 +63,7 @@ def _load_features(path: Path) -> np.ndarray:
     try:
         ims = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as err:  # noqa: BLE001 - any malformed or truncated file: one line
-        detail = " ".join(str(err).split())[:160]
+        detail = one_line(err)
         raise IngestError(
             f"{path}: not a readable .npy array ({type(err).__name__}: {detail}); re-create "
             "it with numpy.save or download it again"

@@ -250,7 +250,7 @@ WARNINGS = {FEW_REGIONS}
 
 
 def _short_of_min_boxes(extractor, result: dict) -> tuple[str, str] | None:
-    """The note of an image with fewer regions than ``regions.min_boxes`` (issue 25.4).
+    """The note of an image with fewer regions than ``regions.min_boxes``.
     The selection already keeps the top proposals regardless of the threshold up to
     ``min_boxes`` (as bottom-up-attention's ``generate_tsv.py`` does), so an image is short
     only when the detector proposed fewer boxes than that: none is an error, some a

@@ -1,5 +1,5 @@
 """Predicate choices learned from FACTUAL's training graphs (Li et al. 2023; 37k Visual Genome
-region captions, ``../shared/data/factual/random_train.csv``), where a rule cannot see the
+region captions, FACTUAL's ``random_train.csv``), where a rule cannot see the
 choice: "a man in a red shirt" is (man, wear, shirt), "a woman with glasses" (woman, wear,
 glasses), while "a cat in a box" stays (cat, in, box).
 
@@ -13,7 +13,7 @@ least ``share`` of at least ``min_count`` aligned cases is kept. The table is wr
 Python module :mod:`features.scenegraph.learned_predicates` (it ships with the package, and
 the DAG's code dependencies see it), with the training file's SHA-256. Reproduce:
 
-    python -m features.scenegraph.train_learned [--train ../shared/data/factual/random_train.csv]
+    python -m features.scenegraph.train_learned [--train FACTUAL/random_train.csv]
 
 :func:`relabel` applies it to a graph: the lemma changes, the surface form stays the
 caption's words (adversarial captions replace words of the caption).

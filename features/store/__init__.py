@@ -16,8 +16,8 @@ Layout of a store (a Zarr v3 group, readable with plain ``zarr.open_group``)::
       _commits/          (n_shards,) str, one file per shard: the commit marker of shard k,
                          JSON with its sample range, ragged row range and file checksums
       _checksums/        (1,) str, uncompressed: written last when the store is finalized,
-                         the SHA-256 of every other file of the store (root and array
-                         metadata, keys, markers, chunks), with a digest of itself
+                         the CRC-32C of every other file of the store (root and array
+                         metadata, keys, markers, chunks), with a SHA-256 of the listing
 
 Dense fields are chunked along the sample axis (``samples_per_chunk``) inside Zarr shards
 of ``samples_per_shard`` samples (the sharding codec: few, large files, since DVC hashes

@@ -93,7 +93,7 @@ def incomplete_path(path: str | Path) -> Path:
 
 
 def withdraw_store(path: str | Path) -> Path | None:
-    """Take a complete store off its path after its stage failed (issue 25.4): it moves
+    """Take a complete store off its path after its stage failed: it moves
     back to ``<path>.incomplete``, the writer's own folder, so nothing is published at
     ``path``, and a rerun with the same inputs resumes from its committed shards (others
     start it over). Returns where it went, or None if ``path`` held no store."""

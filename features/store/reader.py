@@ -20,6 +20,7 @@ from features.store.integrity import verify_store
 from features.store.layout import COMMITS, INCOMPLETE, chunk_key
 from features.store.raw import contiguous_rows, shard_index
 from features.store.spec import SCHEMA_VERSION, FieldSpec, StoreError
+from infra.config import one_line
 
 IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
 
@@ -71,7 +72,7 @@ _ATTRS = {
 
 def _damaged(url: str, what: str, err: BaseException | str) -> StoreError:
     detail = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-    detail = " ".join(str(detail).split())[:200]
+    detail = one_line(detail, 200)
     return StoreError(
         f"{url}: {what} is damaged ({detail}); run `vse store verify {url}` to see which "
         "files, then rebuild the store (dvc repro) or restore it from the DVC cache"
