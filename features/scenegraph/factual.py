@@ -1,6 +1,7 @@
 """Scene graphs judged on FACTUAL (Li et al. 2023, "FACTUAL: A Benchmark for Faithful and
-Consistent Textual Scene Graph Parsing"): reading its CSV files (FACTUAL's own release: ``random_train.csv``, ``random_dev.csv``,
-...) and matching parsed graphs against its gold graphs, in two modes.
+Consistent Textual Scene Graph Parsing"): reading its CSV files (FACTUAL's own release:
+``random_train.csv``, ``random_dev.csv``, ...) and matching parsed graphs against its gold
+graphs, in two modes.
 
 Strict: lemmas on both sides (nouns, adjectives and verbs by spaCy's rule lemmatizer, each
 side through the same function), objects by their head word (the last word of the name:
