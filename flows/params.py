@@ -1,10 +1,9 @@
 """``params.yaml``: the project's only config file, validated as a whole before any work.
 
-Each stage owns its section's typed model, next to the code that uses it; the command that
-introduces a section names it by import path (``Command.owns``), :func:`sections` collects
-them and :func:`params_model` composes them into one model. Unknown
-keys and wrong types fail with the full key path, e.g. ``params.yaml: prepare.
-max_eror_fraction: unknown key, did you mean max_error_fraction``.
+:data:`SECTIONS` says which typed model validates each section, next to the code that
+uses it; :func:`params_model` composes them into one model. Unknown keys and wrong types
+fail with the full key path, e.g. ``params.yaml: prepare.max_eror_fraction: unknown key,
+did you mean max_error_fraction``.
 
 Sections are named by import path rather than imported here: a stage's code deps in
 ``dvc.yaml`` are the modules its command imports, and validating the sections a stage does
@@ -36,18 +35,26 @@ class ModelsSection(Section):
         return self
 
 
-@functools.cache
-def sections() -> dict[str, str]:
-    """Section -> ``"module:Class"``, from the commands that introduce them (in command
-    order; ``models`` from the model registry)."""
-    from flows.commands import discover
-
-    found: dict[str, str] = {}
-    for command in discover():
-        for name, target in command.owns.items():
-            if found.setdefault(name, target) != target:
-                raise RuntimeError(f"params section {name!r} is owned by two commands")
-    return found
+# Section -> its typed model, "module:Class" (imported only to validate), and the stages
+# that read it; ``models`` is the model registry's (one section per model).
+SECTIONS = {
+    "demo": "features.demo:DemoConfig",  # demo_data
+    "evaluate": "models.evaluate:EvaluateConfig",  # evaluate@
+    "adversarial": "features.scenegraph.adversarial:AdversarialConfig",  # adversarial
+    "global": "features.images.global_features:GlobalConfig",  # global
+    "grid": "features.images.config:GridConfig",  # grid
+    "regions": "features.images.config:RegionsConfig",  # regions
+    "scenegraph": "features.scenegraph.stage:ScenegraphConfig",  # scenegraph
+    "text": "features.text.stage:TextConfig",  # text
+    "prepare": "features.ingest.readers:PrepareConfig",  # prepare
+    "shards": "features.shards.writer:ShardsConfig",  # shards
+    "sbert": "features.text.sbert_stats:SbertConfig",  # sbert_stats, train@huse
+    "store": "features.store.spec:StoreConfig",  # every stage that writes a store
+    "train": "models.common:TrainConfig",  # train@
+    "models": MODELS,  # train@, evaluate@, report
+    "detector": "features.detector.config:DetectorConfig",  # detector
+    "graph_rise": "features.images.graph_rise.stage:GraphRiseConfig",  # graph_rise
+}
 
 
 def section_class(name: str) -> type[Section]:
@@ -66,7 +73,7 @@ def section_class(name: str) -> type[Section]:
             for m in registry.MODEL_NAMES
         }
         return create_model("ModelsConfig", __base__=ModelsSection, **fields)
-    module, _, cls = sections()[name].partition(":")
+    module, _, cls = SECTIONS[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -78,7 +85,7 @@ def section_module(key: str) -> str:
     if name == "models":
         registry = importlib.import_module(MODELS)
         return registry.model_module(sub) if sub in registry.MODELS else MODELS
-    return sections()[name].partition(":")[0]
+    return SECTIONS[name].partition(":")[0]
 
 
 @functools.cache
@@ -86,7 +93,7 @@ def params_model() -> type[Section]:
     """All sections of params.yaml as one model; a missing section takes its defaults.
     Attribute names are the section names (``global`` is ``global_``)."""
     fields: dict[str, Any] = {}
-    for name in sections():
+    for name in SECTIONS:
         cls = section_class(name)
         attr = f"{name}_" if name == "global" else name
         fields[attr] = (cls, Field(default_factory=cls, alias=name))

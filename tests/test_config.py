@@ -229,3 +229,16 @@ def test_a_models_own_train_settings_override_the_shared_ones(tmp_path):
         path.write_text(f"train:\n  per_model:\n    camera: {bad}\n")
         with pytest.raises(ConfigError, match=message):
             load_params(path)
+
+
+def test_the_sections_table_names_every_section_the_commands_read():
+    from flows.commands import discover
+    from flows.params import SECTIONS, section_class
+
+    read = {s for c in discover() for s in (c.sections or ())}
+    assert read == set(SECTIONS), (
+        f"read by commands, not in SECTIONS: {read - set(SECTIONS)}; "
+        f"in SECTIONS, read by no command: {set(SECTIONS) - read}"
+    )
+    for name in SECTIONS:
+        assert issubclass(section_class(name), Section), name

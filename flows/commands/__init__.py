@@ -21,7 +21,7 @@ import argparse
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -33,9 +33,6 @@ class Command:
 
     ``sections`` are the params.yaml sections the handler reads (every command that reads
     params validates the whole file first); ``None``: the command reads no params.
-    ``owns`` names the sections this command introduces, as ``{section: "module:Class"}``
-    (the typed model, next to the stage's core): :mod:`flows.params` composes params.yaml
-    from them, so a new stage's section needs no other file.
     """
 
     name: str  # words after `vse`, e.g. "extract text"
@@ -44,7 +41,6 @@ class Command:
     run: Callable[[argparse.Namespace, Any], int]
     sections: tuple[str, ...] | None = ()
     description: str | None = None
-    owns: dict[str, str] = field(default_factory=dict)
 
 
 # The help of command groups (the first word of multi-word commands).

@@ -37,6 +37,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("demo",),
-        owns={"demo": "features.demo:DemoConfig"},
     )
 ]

@@ -106,6 +106,5 @@ COMMANDS = [
         arguments=evaluate_arguments,
         run=run_evaluate,
         sections=("evaluate",),
-        owns={"evaluate": "models.evaluate:EvaluateConfig"},
     ),
 ]

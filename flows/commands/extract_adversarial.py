@@ -55,6 +55,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("adversarial", "text", "store"),
-        owns={"adversarial": "features.scenegraph.adversarial:AdversarialConfig"},
     )
 ]

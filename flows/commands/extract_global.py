@@ -40,6 +40,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("global", "store"),
-        owns={"global": "features.images.global_features:GlobalConfig"},
     )
 ]

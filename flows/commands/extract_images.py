@@ -117,7 +117,6 @@ COMMANDS = [
         arguments=lambda p, stage=stage: (arguments(p), p.set_defaults(stage=stage)),
         run=run,
         sections=(stage, "store"),
-        owns={stage: f"features.images.config:{stage.capitalize()}Config"},
     )
     for stage, text in (
         ("regions", "Faster R-CNN region features, bottom-up-attention style (params: regions)"),

@@ -57,6 +57,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("scenegraph",),
-        owns={"scenegraph": "features.scenegraph.stage:ScenegraphConfig"},
     )
 ]

@@ -52,6 +52,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("text", "store"),
-        owns={"text": "features.text.stage:TextConfig"},
     )
 ]

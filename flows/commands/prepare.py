@@ -44,6 +44,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("prepare",),
-        owns={"prepare": "features.ingest.readers:PrepareConfig"},
     )
 ]

@@ -100,6 +100,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("shards",),
-        owns={"shards": "features.shards.writer:ShardsConfig"},
     )
 ]

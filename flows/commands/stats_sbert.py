@@ -43,6 +43,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("sbert",),
-        owns={"sbert": "features.text.sbert_stats:SbertConfig"},
     )
 ]

@@ -257,7 +257,6 @@ COMMANDS = [
         ),
         run=run_ls,
         sections=None,
-        owns={"store": "features.store.spec:StoreConfig"},
     ),
     Command(
         "store info",

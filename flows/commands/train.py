@@ -98,7 +98,6 @@ COMMANDS = [
         arguments=lambda p, model=model: (train_arguments(p), p.set_defaults(model=model)),
         run=run_train,
         sections=("train", "models", "sbert"),
-        owns={"train": "models.common:TrainConfig", "models": "models.registry"},
     )
     for model in MODEL_NAMES
 ]

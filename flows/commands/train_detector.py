@@ -87,6 +87,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("detector",),
-        owns={"detector": "features.detector.config:DetectorConfig"},
     )
 ]

@@ -74,6 +74,5 @@ COMMANDS = [
         arguments=arguments,
         run=run,
         sections=("graph_rise", "store", "sbert"),
-        owns={"graph_rise": "features.images.graph_rise.stage:GraphRiseConfig"},
     )
 ]
