@@ -76,19 +76,21 @@ def restore_training(
     device: torch.device,
     error: type[UserError] = UserError,
     needs: tuple[str, ...] = ("epoch", "history"),
-    loaded: dict | None = None,
+    ckpt: dict | None = None,
 ) -> dict:
-    """Load ``path`` (:func:`read_checkpoint`; besides :func:`training_state`'s keys it
-    must hold ``needs``, the run's own fields; ``loaded``: what the caller already read
-    from it), check that it was trained with the same
-    ``identity`` (model, config, data; one line naming what differs, else ``error``),
-    restore what :func:`training_state` saved and return the checkpoint (its epoch,
-    history and other fields). Loaded onto the CPU: the RNG states must stay there (torch
-    refuses a state on the GPU), and the model and optimizer copy theirs to ``device``."""
+    """Load ``path`` (:func:`read_checkpoint`, unless ``ckpt`` is what the caller read from
+    it already; besides :func:`training_state`'s keys it must hold ``needs``, the run's own
+    fields), check that it was trained with the same ``identity`` (model, config, data; one
+    line naming what differs, else ``error``), restore what :func:`training_state` saved
+    and return the checkpoint (its epoch, history and other fields). Loaded onto the CPU:
+    the RNG states must stay there (torch refuses a state on the GPU), and the model and
+    optimizer copy theirs to ``device``."""
     hint = "delete it or train without --resume"
-    ckpt = read_checkpoint(
-        path, error, hint, ("state_dict", "optimizer", "scheduler", "rng", *needs)
-    )
+    keys = ("state_dict", "optimizer", "scheduler", "rng", *needs)
+    if ckpt is None:
+        ckpt = read_checkpoint(path, error, hint, keys)
+    elif missing := [k for k in keys if k not in ckpt]:
+        raise error(f"{path}: not a checkpoint of this trainer (no {', '.join(missing)}); {hint}")
     for key, value in identity.items():
         if ckpt.get(key) != value:
             raise error(f"{path}: was trained with another {key}; {hint}")
@@ -100,8 +102,7 @@ def restore_training(
         if device.type == "cuda" and ckpt["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     except Exception as err:  # noqa: BLE001 - weights or states that do not fit
-        detail = one_line(err)
-        raise error(f"{path}: its training state does not load ({detail}); {hint}") from None
+        raise error(f"{path}: its training state does not load ({one_line(err)}); {hint}") from None
     return ckpt
 
 

@@ -31,14 +31,9 @@ from torch import nn
 from infra.config import Section, UserError, one_line
 from infra.device import autocast, resolve_device
 from infra.files import save_torch
-from infra.resume import (
-    StepCheckpoints,
-    plain,
-    read_checkpoint,
-    restore_training,
-    training_state,
-)
+from infra.resume import read_checkpoint
 from infra.schedule import lr_factor
+from infra.trainer import Trainer
 from models.common import TrainConfig
 from models.data.info import DataInfo
 
@@ -203,42 +198,38 @@ def train(
         optimizer,
         lr_factor(steps_per_epoch, cfg.warmup_steps, cfg.lr_decay, cfg.lr_decay_epochs),
     )
-    history: list[dict] = []
-    best_rsum, start, within = -math.inf, 0, None
-
     identity = {
         "model": name,
         "config": model_config.model_dump(),
         "info": train_data.info.to_dict(),
     }
-    if saved is not None:
-        ckpt = restore_training(
-            last_path, identity, model, optimizer, scheduler, device, TrainingError, loaded=saved
-        )
-        history, best_rsum, start = ckpt["history"], ckpt["best_rsum"], ckpt["epoch"] + 1
-        within = ckpt.get("within")
-        if within is not None:
-            within = _check_within(within, last_path, world, train_data, cfg)
-            log(f"resuming {name} from {last_path} at epoch {start} step {within['step']}")
-        else:
-            log(f"resuming {name} from {last_path} after epoch {ckpt['epoch']}")
-    elif resume:
-        log(f"--resume: no {last_path} yet, starting from scratch")
-
-    def save_last(epoch_done: int, state: dict, step_state: dict | None = None) -> None:
-        checkpoints.save(
-            {
-                **identity,
-                "version": CHECKPOINT_VERSION,
-                **state,
-                "epoch": epoch_done,
-                "history": history,
-                "best_rsum": best_rsum,
-                "within": step_state,
-                "global_batch": cfg.batch_size * world,
-            },
-            last_path,
-        )
+    best = {"rsum": -math.inf}
+    trainer = Trainer(
+        name,
+        model,
+        optimizer,
+        scheduler,
+        identity=identity,
+        last_path=last_path,
+        device=device,
+        error=TrainingError,
+        log=log,
+        every_steps=cfg.checkpoint_every_steps,
+        every_minutes=cfg.checkpoint_every_minutes,
+        rank=rank,
+        world=world,
+        fields=lambda: {
+            "version": CHECKPOINT_VERSION,
+            "best_rsum": best["rsum"],
+            "global_batch": cfg.batch_size * world,
+        },
+    )
+    if resume:
+        ckpt = trainer.resume(saved)
+        if ckpt is not None:
+            best["rsum"] = ckpt["best_rsum"]
+            if trainer.within is not None:
+                _check_within(trainer.within, last_path, world, train_data, cfg)
 
     wrapped: nn.Module = _LossOf(model)
     if world > 1:
@@ -247,57 +238,38 @@ def train(
         )
     batches = Batches(train_data, device, num_workers=cfg.num_workers, prefetch=cfg.prefetch)
     val_batches = Batches(val_data, device, prefetch=cfg.prefetch)  # a thread: small, per epoch
-    checkpoints = StepCheckpoints(
-        cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log, TrainingError
-    )
-    run = _Run(name, wrapped, model, optimizer, scheduler, batches, cfg, device, rank, world)
-    run.last_path, run.log, run.checkpoints = last_path, log, checkpoints
+    run = _Epochs(trainer, wrapped, batches, cfg)
+    timing = {}
 
-    def save_step(epoch: int, step_state: dict) -> None:  # mid-epoch: every rank calls it
-        positions = [step_state.pop("position")]
-        if world > 1:
-            positions = [None] * world
-            torch.distributed.all_gather_object(positions, run.batches.position)
-        if rank == 0:
-            state = training_state(model, optimizer, scheduler, device)
-            save_last(epoch - 1, state, {**step_state, "positions": plain(positions)})
-            log(f"{name}: wrote {last_path} at epoch {epoch} step {step_state['step']}")
-        if world > 1:
-            torch.distributed.barrier()
+    def run_epoch(epoch: int, within: dict | None) -> dict:
+        row, timing["seconds"], timing["seen"] = run.epoch(epoch, within)
+        return row
 
-    run.save_step = save_step
+    def end_epoch(epoch: int, row: dict) -> None:  # rank 0: select on val
+        model.eval()
+        val = evaluate_split(model, val_data, cfg.eval_batch_size, device, val_batches)
+        row.update({f"val_{k}": v for k, v in val.items()})
+        timing["improved"] = val["rsum"] > best["rsum"]
+        best["rsum"] = max(best["rsum"], val["rsum"])
+
+    def after_save(epoch: int, row: dict, state: dict) -> None:
+        if timing["improved"]:
+            weights = {"state_dict": state["state_dict"], "epoch": epoch}
+            save_torch({**identity, **weights}, best_path)
+        seconds, seen = timing["seconds"], timing["seen"]
+        log(
+            f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {row['val_rsum']:.1f} "
+            f"(best {best['rsum']:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
+        )
+        if on_epoch is not None:
+            on_epoch(trainer.history)
+
     try:
-        for epoch in range(start, cfg.epochs):
-            row, seconds, seen = run.epoch(epoch, within if epoch == start else None)
-            if rank == 0:
-                model.eval()
-                val = evaluate_split(model, val_data, cfg.eval_batch_size, device, val_batches)
-                row.update({f"val_{k}": v for k, v in val.items()})
-                history.append(row)
-                improved = val["rsum"] > best_rsum
-                best_rsum = max(best_rsum, val["rsum"])
-                out_dir.mkdir(parents=True, exist_ok=True)
-                state = training_state(model, optimizer, scheduler, device)
-                if improved:
-                    weights = {"state_dict": state["state_dict"], "epoch": epoch}
-                    save_torch({**identity, **weights}, best_path)
-                save_last(epoch, state)
-                log(
-                    f"{name} epoch {epoch}: loss {row['loss']:.4f}, val rsum {val['rsum']:.1f} "
-                    f"(best {best_rsum:.1f}), {seconds:.1f} s ({seen / seconds:.0f} pairs/s)"
-                )
-                if on_epoch is not None:
-                    on_epoch(history)
-            if world > 1:
-                torch.distributed.barrier()
-            if run.agreed(False) and epoch + 1 < cfg.epochs:
-                checkpoints.written()  # stopped by a signal: last.pt is this epoch's
-        checkpoints.wait()  # the last write is on disk
+        history = trainer.fit(cfg.epochs, run_epoch, end_epoch, after_save)
     finally:
-        checkpoints.close()
         batches.close()
         val_batches.close()
-    return {"history": history, "best_rsum": best_rsum, "model": model}
+    return {"history": history, "best_rsum": best["rsum"], "model": model}
 
 
 def _elastic(cfg: TrainConfig, saved: dict, world: int, data, path: Path, log) -> TrainConfig:
@@ -329,15 +301,11 @@ def _check_within(within: dict, path: Path, world: int, data, cfg: TrainConfig) 
     return within
 
 
-class _Run:
-    """One run's training epochs (what :func:`train` set up)."""
+class _Epochs:
+    """The retrieval models' epochs on a :class:`infra.trainer.Trainer`."""
 
-    def __init__(
-        self, name, wrapped, model, optimizer, scheduler, batches, cfg, device, rank, world
-    ):
-        self.name, self.wrapped, self.model = name, wrapped, model
-        self.optimizer, self.scheduler, self.batches, self.cfg = optimizer, scheduler, batches, cfg
-        self.device, self.rank, self.world = device, rank, world
+    def __init__(self, trainer: Trainer, wrapped: nn.Module, batches, cfg: TrainConfig):
+        self.trainer, self.wrapped, self.batches, self.cfg = trainer, wrapped, batches, cfg
 
     def epoch(self, epoch: int, within: dict | None) -> tuple[dict, float, int]:
         """One epoch of optimizer steps (from a step checkpoint's ``within``: from its next
@@ -345,12 +313,14 @@ class _Run:
         pairs seen (all ranks). No step waits for the device: the loss parts are summed
         there, and the non-finite flag is read every ``CHECK_EVERY`` steps (a non-finite
         step is reported by its own epoch and step; the steps after it only touch
-        weights that are never saved). Between steps, :class:`StepCheckpoints` decides
-        when ``last.pt`` is written (all ranks agree)."""
+        weights that are never saved). Between steps, the trainer decides when ``last.pt``
+        is written (all ranks agree)."""
         from models.data.batches import Stream
 
-        name, cfg, device, world, rank = self.name, self.cfg, self.device, self.world, self.rank
-        model, optimizer, scheduler = self.model, self.optimizer, self.scheduler
+        trainer, cfg = self.trainer, self.cfg
+        name, device, world, rank = trainer.name, trainer.device, trainer.world, trainer.rank
+        model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
+        last_path = trainer.last_path
         tasks = epoch_tasks(self.batches.source, cfg, epoch, rank, world)
         steps = _steps(tasks)
         t0, seen, done, first = time.perf_counter(), 0, 0, 0
@@ -387,20 +357,27 @@ class _Run:
                 seen += _batch_size(batch) * world
                 done = step + 1
                 if done % CHECK_EVERY == 0 or done == steps:
-                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
+                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
                 if rank == 0 and done % max(1, steps // 4) == 0:
                     rate = seen / (time.perf_counter() - t0)
-                    self.log(
+                    trainer.log(
                         f"{name} epoch {epoch} step {done}/{steps} "
                         f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
                     )
-                if self.agreed(self.checkpoints.due(done)) and done < steps:
-                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
-                    state = {"epoch": epoch, "step": done, "seen": seen, "world": world}
-                    state["sums"] = {k: v.cpu() for k, v in sums.items()}
-                    state["position"] = self.batches.position
-                    self.save_step(epoch, state)
-                    self.checkpoints.written()
+                trainer.step_done(
+                    epoch,
+                    done,
+                    steps,
+                    lambda seen=seen: {
+                        "seen": seen,
+                        "world": world,
+                        "sums": {k: v.cpu() for k, v in sums.items()},
+                        "position": self.batches.position,
+                    },
+                    lambda bad=first_bad, value=bad_loss: _stop_if_nonfinite(
+                        name, bad, value, epoch, world, last_path
+                    ),
+                )
         finally:
             stream.close()
         if done != steps:
@@ -408,25 +385,10 @@ class _Run:
                 f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
                 "shards (vse shards build) or train from the stores (train.shards: null)"
             )
-        _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, self.last_path)
+        _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
         row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
         row["lr"] = optimizer.param_groups[0]["lr"]
         return row, time.perf_counter() - t0, seen
-
-    def agreed(self, due: bool) -> bool:
-        """``due`` (write a checkpoint now) as all ranks agree under DDP: one rank's
-        reason (its clock, or a signal: then every rank stops) holds for all."""
-        if self.world == 1:
-            return due
-        stopping = self.checkpoints.stopping is not None
-        flag = torch.tensor([2 if stopping else int(due)], dtype=torch.int64)
-        if self.device.type == "cuda":
-            flag = flag.to(self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        value = int(flag.item())
-        if value == 2 and not stopping:
-            self.checkpoints.stopping = "a signal on another rank"
-        return value > 0
 
 
 def _batch_size(batch: dict) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from features.images.graph_rise import graph as G
 from features.images.graph_rise import model as M
 from features.images.graph_rise.labels import image_labels, label_vocabulary, multi_hot
 from features.images.graph_rise.stage import GraphRiseConfig
+from infra.resume import Preempted
 
 
 def row(objects, attributes=(), relations=()):
@@ -198,17 +201,18 @@ def test_training_is_deterministic_and_resumes_bit_identically(tmp_path, monkeyp
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
     assert hist[-1]["graph"] > 0
 
-    real_save = M.save_torch
+    real_batches = M.epoch_batches
 
-    def save_then_die(obj, path):  # killed right after epoch 1's checkpoint
-        real_save(obj, path)
-        if obj["epoch"] == 1:
-            raise KeyboardInterrupt
+    def sigterm_in_epoch_1(n, batch_size, seed, epoch):  # a queue preempts epoch 1
+        if epoch == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return real_batches(n, batch_size, seed, epoch)
 
-    monkeypatch.setattr(M, "save_torch", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(M, "epoch_batches", sigterm_in_epoch_1)
+    with pytest.raises(Preempted):  # epoch 1 finishes and is saved, then the run stops
         M.train_head(x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", log=lambda s: None)
-    monkeypatch.setattr(M, "save_torch", real_save)
+    monkeypatch.setattr(M, "epoch_batches", real_batches)
+    assert torch.load(tmp_path / "b" / "last.pt", weights_only=True)["epoch"] == 1
     resumed, hist_b = M.train_head(
         x, ROWS, y, g, cfg, 1.0, {"run": 1}, tmp_path / "b", resume=True, log=lambda s: None
     )

@@ -62,8 +62,8 @@ from features.detector.weights import (
 from infra.config import UserError
 from infra.device import resolve_device
 from infra.files import save_torch
-from infra.resume import StepCheckpoints, restore_training, training_state
 from infra.schedule import lr_factor
+from infra.trainer import Trainer
 
 LAST = "last.pt"
 FINAL = "detector.pt"
@@ -228,54 +228,46 @@ def _train(
         "attributes": attributes,
         "train_keys": [im.key for im in train_images],
     }
-    history: list[dict] = []
-    start, within = 0, None
     last_path = out_dir / LAST
-    if resume and last_path.exists():
-        ckpt = restore_training(
-            last_path, identity, model, optimizer, scheduler, device, DetectorTrainingError
-        )
-        history, start, within = ckpt["history"], ckpt["epoch"] + 1, ckpt.get("within")
-        if within is not None:
-            log(f"detector: resuming from {last_path} at epoch {start} step {within['step']}")
-        else:
-            log(f"detector: resuming from {last_path} after epoch {ckpt['epoch']}")
-    elif resume:
-        log(f"detector: --resume, but no {last_path} yet: starting from scratch")
-
-    def save_last(epoch_done: int, step_state: dict | None = None) -> None:
-        state = training_state(model, optimizer, scheduler, device)
-        last = {**identity, **state, "epoch": epoch_done, "history": history, "within": step_state}
-        checkpoints.save(last, last_path)
-
+    trainer = Trainer(
+        "detector",
+        model,
+        optimizer,
+        scheduler,
+        identity=identity,
+        last_path=last_path,
+        device=device,
+        error=DetectorTrainingError,
+        log=log,
+        every_steps=cfg.checkpoint_every_steps,
+        every_minutes=cfg.checkpoint_every_minutes,
+    )
+    if resume:
+        trainer.resume()
     items = DetectionItems(train_images, images_root, cfg, classes, attributes)
     log(
         f"detector: {cfg.architecture}, {len(classes)} classes, {len(attributes)} attributes; "
         f"{len(train_images)} train / {len(val_images)} val images; {cfg.epochs} epochs of "
         f"{steps_per_epoch} steps on {device}"
     )
-    checkpoints = StepCheckpoints(
-        cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes, log, DetectorTrainingError
-    )
-    run = _Epochs(model, optimizer, scheduler, params, frozen_bn, items, cfg, device, log)
-    run.save_last, run.checkpoints, run.last_path = save_last, checkpoints, last_path
-    try:
-        for epoch in range(start, cfg.epochs):
-            tick = time.perf_counter()
-            row, seen = run.epoch(epoch, within if epoch == start else None, progress)
-            history.append(row)
-            seconds = time.perf_counter() - tick
-            save_last(epoch)
-            log(
-                f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
-                + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("loss_"))
-                + f"), {seen / seconds:.1f} img/s, {seconds:.0f} s"
-            )
-            if checkpoints.stopping is not None and epoch + 1 < cfg.epochs:
-                checkpoints.written()  # stopped by a signal: last.pt is this epoch's
-        checkpoints.wait()  # the last write is on disk
-    finally:
-        checkpoints.close()
+    run = _Epochs(trainer, params, frozen_bn, items, cfg)
+    timing = {}
+
+    def run_epoch(epoch: int, within: dict | None) -> dict:
+        tick = time.perf_counter()
+        row, seen = run.epoch(epoch, within, progress)
+        timing["seconds"], timing["seen"] = time.perf_counter() - tick, seen
+        return row
+
+    def after_save(epoch: int, row: dict, state: dict) -> None:
+        seconds = timing["seconds"]
+        log(
+            f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
+            + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("loss_"))
+            + f"), {timing['seen'] / seconds:.1f} img/s, {seconds:.0f} s"
+        )
+
+    history = trainer.fit(cfg.epochs, run_epoch, after_save=after_save)
     tick = time.perf_counter()
     metrics = evaluate_detector(
         model, val_images, images_root, cfg, classes, attributes, device, progress=progress
@@ -293,20 +285,21 @@ def _train(
 
 
 class _Epochs:
-    """The detector's training epochs (what :func:`_train` set up), resumable mid-epoch."""
+    """The detector's epochs on a :class:`infra.trainer.Trainer`, resumable mid-epoch."""
 
-    def __init__(self, model, optimizer, scheduler, params, frozen_bn, items, cfg, device, log):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.params, self.frozen_bn, self.items = params, frozen_bn, items
-        self.cfg, self.device, self.log = cfg, device, log
+    def __init__(self, trainer: Trainer, params, frozen_bn, items, cfg):
+        self.trainer, self.model, self.optimizer = trainer, trainer.model, trainer.optimizer
+        self.scheduler, self.device, self.log = trainer.scheduler, trainer.device, trainer.log
+        self.params, self.frozen_bn, self.items, self.cfg = params, frozen_bn, items, cfg
+        self.last_path = trainer.last_path
         self.weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
         self.skipped: set[int] = set()
 
     def epoch(self, epoch: int, within: dict | None, progress) -> tuple[dict, int]:
         """One epoch of steps (from a step checkpoint's ``within``: from its next batch; the
         skip is computed, the loader is given only the batches after it); returns the
-        history row (mean loss terms, lr) and the images seen. After each step
-        :class:`StepCheckpoints` decides whether ``last.pt`` is written."""
+        history row (mean loss terms, lr) and the images seen. After each step the trainer
+        decides whether ``last.pt`` is written."""
         model, optimizer, cfg = self.model, self.optimizer, self.cfg
         model.train()
         for m in self.frozen_bn:
@@ -331,12 +324,16 @@ class _Epochs:
             seen += len(batch)
             if bar is not None:
                 bar.update(len(batch))
-            done = step + 1
-            if self.checkpoints.due(done) and done < len(batches):
-                state = {"epoch": epoch, "step": done, "seen": seen, "sums": dict(sums)}
-                self.save_last(epoch - 1, {**state, "skipped": sorted(self.skipped)})
-                self.log(f"detector: wrote {self.last_path} at epoch {epoch} step {done}")
-                self.checkpoints.written()
+            self.trainer.step_done(
+                epoch,
+                step + 1,
+                len(batches),
+                lambda seen=seen: {
+                    "seen": seen,
+                    "sums": dict(sums),
+                    "skipped": sorted(self.skipped),
+                },
+            )
         if bar is not None:
             bar.close()
         row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra.config import UserError
-from infra.files import save_torch
-from infra.resume import restore_training, training_state
+from infra.trainer import Trainer
 
 LAST = "last.pt"
 
@@ -203,17 +202,21 @@ def train_head(
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * -(-len(rows) // cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
-    identity = {**identity, "alpha": alpha}
-    history: list[dict] = []
-    start = 0
-    last = out_dir / LAST if out_dir else None
-    if resume and last is not None and last.exists():
-        ckpt = restore_training(
-            last, identity, model, optimizer, scheduler, device, GraphRiseTrainingError
-        )
-        history, start = ckpt["history"], ckpt["epoch"] + 1
-        log(f"graph-rise: resuming from {last} after epoch {ckpt['epoch']}")
-    for epoch in range(start, cfg.epochs):
+    trainer = Trainer(
+        "graph-rise",
+        model,
+        optimizer,
+        scheduler,
+        identity={**identity, "alpha": alpha},
+        last_path=out_dir / LAST if out_dir else None,
+        device=device,
+        error=GraphRiseTrainingError,
+        log=log,
+    )
+    if resume:
+        trainer.resume()
+
+    def run_epoch(epoch: int, within: dict | None) -> dict:
         model.train()
         rng = np.random.default_rng([cfg.seed, epoch, 1])
         sums = {"loss": 0.0, "labels": 0.0, "graph": 0.0}
@@ -241,18 +244,9 @@ def train_head(
             scheduler.step()
             for k, v in (("loss", loss), ("labels", l_s), ("graph", l_g)):
                 sums[k] += float(v.detach())
-        history.append({"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}})
-        if last is not None:
-            last.parent.mkdir(parents=True, exist_ok=True)
-            save_torch(
-                {
-                    **identity,
-                    **training_state(model, optimizer, scheduler, device),
-                    "epoch": epoch,
-                    "history": history,
-                },
-                last,
-            )
+        return {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
+
+    history = trainer.fit(cfg.epochs, run_epoch)
     if history:
         h = history[-1]
         log(
