@@ -90,6 +90,49 @@ def butd_state(
     return {k: np.asarray(v, dtype=np.float32) for k, v in s.items()}
 
 
+def peaked_head(
+    state: dict[str, np.ndarray],
+    features: np.ndarray,
+    seed: int = 0,
+    sharpness: float = 5.0,
+    attr_sharpness: float = 5.0,
+) -> dict[str, np.ndarray]:
+    """``state`` (detectron2 layout, with the attribute head) with the class and attribute
+    heads rewritten so that, on region features like ``features`` (N, D), they score as a
+    trained model's do: one class clearly wins per region, and the winning class and
+    attribute change from region to region.
+
+    A random head on raw features does not: the features are ReLU means, with a large
+    common part, so one class wins everywhere with a near-uniform softmax. Here each head
+    reads the features standardised per channel with the statistics of ``features``,
+    z = (v - mean) / std (folded into its weights and bias): class logits are random
+    projections of z of standard deviation about ``sharpness`` (background a constant -2),
+    the attribute layer mixes z with the class embedding, and the attribute logits have
+    a spread of about ``attr_sharpness``."""
+    rng = np.random.default_rng(seed)
+    box = "roi_heads.box_predictor."
+    out = dict(state)
+    classes, d = state[box + "cls_score.weight"].shape
+    hidden, d_in = state[box + "fc_attr.weight"].shape
+    embed, attrs = d_in - d, state[box + "attr_score.weight"].shape[0]
+    f = np.asarray(features, np.float64).reshape(-1, d)
+    mean, std = f.mean(0), f.std(0)
+    std = np.maximum(std, 0.1 * np.median(std))  # near-dead channels: no blow-up
+    w = rng.normal(0, sharpness / np.sqrt(d), (classes - 1, d)) / std  # acts on z
+    out[box + "cls_score.weight"] = np.concatenate([w, np.zeros((1, d))])  # background last
+    out[box + "cls_score.bias"] = np.append(-w @ mean, -2.0)
+    out[box + "cls_embedding.weight"] = rng.normal(0, 1.0, (classes, embed))
+    wz = rng.normal(0, 1 / np.sqrt(d), (hidden, d)) / std
+    we = rng.normal(0, 1 / np.sqrt(embed), (hidden, embed))
+    out[box + "fc_attr.weight"] = np.concatenate([wz, we], axis=1)
+    out[box + "fc_attr.bias"] = -wz @ mean
+    out[box + "attr_score.weight"] = rng.normal(
+        0, attr_sharpness / np.sqrt(hidden), (attrs, hidden)
+    )
+    out[box + "attr_score.bias"] = np.zeros(attrs)
+    return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+
 def to_milvlg(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The same network in MILVLG's layout: background moved first in the class rows (and
     the class embedding), a zero-logit background row beside each objectness logit (the
