@@ -7,7 +7,7 @@ export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install install-dev demo test lint mutation
+.PHONY: install install-dev demo test lint docs mutation
 
 install: $(VENV)/.installed        # what the demo needs
 
@@ -32,7 +32,10 @@ test: install-dev
 	pytest
 
 lint: install-dev
-	ruff check flows features models tests benchmarks
+	ruff check flows features models tests benchmarks docs/_hooks
+
+docs: install-dev  # the documentation site into build/site (tests/test_docs.py builds it too)
+	mkdocs build --strict
 
 mutation: install-dev  # slow (about an hour on 2 cores), not in CI: tests/mutation.py
 	$(BIN)/python -m pip install -e '.[dev,mutation]'

@@ -34,7 +34,7 @@ from models.mvvse import MVVSEConfig
 from models.train import build_model
 
 VOCAB, R, D, WORDS = 11755, 36, 2048, 14  # COCO: vocabulary, regions, their size, mean words
-GPU_STEP = 0.050  # seconds: a training step of this model on a GPU (README, unmeasured here)
+GPU_STEP = 0.050  # seconds: an assumed GPU step of this model (HISTORY.md; not measured)
 
 
 def batch(size: int, device: torch.device) -> dict:
@@ -126,7 +126,7 @@ def main() -> None:
         f"taken from training; +{full_s / per:.3%} if written in the step loop (target < 2%); "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    gpu = args.every * GPU_STEP  # a GPU step (the README's figure), with this machine's write
+    gpu = args.every * GPU_STEP  # a GPU step (the assumed figure), with this machine's write
     print(
         f"at {GPU_STEP * 1000:.0f} ms/step: +{block_s / gpu:.2%} blocking (+{full_s / gpu:.2%} "
         "synchronous), plus the device-to-host copy of the state (not measured here)"

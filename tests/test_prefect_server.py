@@ -1,6 +1,7 @@
-"""The README's Prefect recipe, run as written (another port and PREFECT_HOME): a real
-server started with --background, `vse prefect serve`, a plain deployment run and one with
-an override, which becomes a DVC experiment and leaves the workspace as it was.
+"""The docs' Prefect recipe (docs/how-to/prefect-deployment.md), run as written (another
+port and PREFECT_HOME): a real server started with --background, `vse prefect serve`, a
+plain deployment run and one with an override, which becomes a DVC experiment and leaves
+the workspace as it was.
 
 It runs in a copy of the session's reproduced demo (conftest's `reproduced`) with mvvse's
 lambda_ changed: the features are up to date (the flows' own tests run them), and the
@@ -28,14 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def readme_recipe() -> list[str]:
-    """The command lines of the README's deployment block."""
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"\*\*Deployments\.\*\*.*?```bash\n(.*?)```", text, re.S).group(1)
+RECIPE = REPO / "docs" / "how-to" / "prefect-deployment.md"
+
+
+def docs_recipe() -> list[str]:
+    """The command lines of the docs' deployment block (its first bash block under
+    "Serve and run deployments")."""
+    text = RECIPE.read_text()
+    block = re.search(r"## Serve and run deployments\n.*?```bash\n(.*?)```", text, re.S).group(1)
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_the_readme_recipe_serves_and_runs_deployments(reproduced, tmp_path, tmp_path_factory):
+def test_the_docs_recipe_serves_and_runs_deployments(reproduced, tmp_path, tmp_path_factory):
     project = copy_tree(reproduced[0], tmp_path / "project")
     params = yaml.safe_load((project / "params.yaml").read_text())
     assert params["models"]["mvvse"]["lambda_"] not in (LAMBDA, 0.5)
@@ -44,7 +49,7 @@ def test_the_readme_recipe_serves_and_runs_deployments(reproduced, tmp_path, tmp
     home = tmp_path_factory.mktemp("prefect_home")
     port = str(_free_port())
     lines = [
-        line.replace("4200", port).replace("$PWD/.prefect", str(home)) for line in readme_recipe()
+        line.replace("4200", port).replace("$PWD/.prefect", str(home)) for line in docs_recipe()
     ]
     plain = next(i for i, line in enumerate(lines) if "deployment run" in line)
     assert "overrides" in lines[plain + 1], "the recipe's second run has an override"
