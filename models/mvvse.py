@@ -24,7 +24,7 @@ views with max pooling); the overall loss is eq. 15 as written, 0.7 L_Max + 0.3 
 the indicators of eq. 11-12 (official: 0.7 on a rough Up term); losses summed over the batch
 and both directions, averaged over views; hardest negatives from the first step, no data
 augmentation, BatchNorm over valid regions only, frozen BERT token features. The full
-comparison, file by file, is in ``docs/design/mvvse-official-code.md``.
+comparison, file by file, is in ``docs/explanation/mvvse-official-code.md``.
 """
 
 from __future__ import annotations
