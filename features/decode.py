@@ -1,6 +1,6 @@
 """Robust image decoding for extraction: what can be converted is, the rest is reported.
 
-Conversions (documented in the README):
+Conversions:
 
 - EXIF orientation is applied (the pixels are turned as a viewer shows them);
 - grayscale (L, LA), palette (P), CMYK, YCbCr, LAB and HSV images become RGB with

@@ -1,6 +1,6 @@
 """The detectron2 backend of ``vse extract regions``: the published bottom-up-attention
-checkpoints on upstream detectron2, built from source (it is not on PyPI: see the README's
-real-data section).
+checkpoints on upstream detectron2, built from source (it is not on PyPI: see the docs' tutorial
+``tutorials/butd-weights.md``).
 
 py-bottom-up-attention ran them on its own fork of a 2020 detectron2, whose additions this
 module registers on upstream detectron2, so that its YAML configs (e.g.
@@ -35,7 +35,7 @@ from infra.config import UserError
 
 INSTALL = (
     "build it from source against the installed torch (pip install --no-build-isolation "
-    "<detectron2 source>, see the README's real-data section) or set regions.backend: "
+    "<detectron2 source>, see docs/tutorials/butd-weights.md) or set regions.backend: "
     "torchvision (the native model reads the same checkpoints)"
 )
 _REGISTERED = False

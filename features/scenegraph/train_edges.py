@@ -55,9 +55,9 @@ HOLD_OUT = 20  # every 20th training caption is the validation set
 # the model's choice that adds a relation, drops a rules' one (above 1: never), changes a
 # rules' predicate; the attribute margins that drop a rules' attribute and add one. The
 # most FACTUAL gain that keeps the project's own gold set (tests/data/captions_gold.jsonl)
-# within 0.02 per kind and metric and the demo captions' relations >= 0.95 (README, "Scene
-# graphs judged on FACTUAL": lower gates gain more on FACTUAL by adopting its conventions,
-# "beneath" -> "under", "mug of coffee" -> (coffee, in, mug), which those sets refuse).
+# within 0.02 per kind and metric and the demo captions' relations >= 0.95 (lower gates
+# gain more on FACTUAL by adopting its conventions, "beneath" -> "under", "mug of coffee"
+# -> (coffee, in, mug), which those sets refuse).
 CONFIDENCE = (0.75, 1.01, 0.95)
 MARGINS = (-3.0, 3.0)
 

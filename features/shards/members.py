@@ -137,7 +137,7 @@ def _mapped(path: str, url: str) -> Mapped:
     pages are mapped once, not faulted in again every epoch (populated: the kernel maps
     every page of the file at once, cheaper than faulting them in one by one), and its
     members' CRC-32C are checked once, the first time it is read (checking them on every
-    read costs half of streaming's throughput: README, "Read and write throughput")."""
+    read costs half of streaming's throughput, by benchmarks/store_read.py)."""
     try:
         stat = Path(path).stat()
     except FileNotFoundError:

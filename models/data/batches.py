@@ -17,8 +17,8 @@ builds ahead of the consumer and hands out batches as the models read them
 
 Memory: every batch is built into an :class:`Arena`, a reusable byte buffer (shared memory
 for workers): no fresh pages (a fresh 40 MB array costs ~10k page faults, more than the
-copy into it; torch's DataLoader, which allocates each batch afresh, timed 2-3x slower:
-README, throughput), no copy between processes. A CPU batch is a view of its arena, valid
+copy into it; torch's DataLoader, which allocates each batch afresh, timed 2-3x slower in
+benchmarks/train_input.py), no copy between processes. A CPU batch is a view of its arena, valid
 until the next batch is asked for. On CUDA the producer copies each batch into pinned
 memory and frees the arena at once; the consumer copies it with ``non_blocking=True``
 and finishes it on the device (float16 -> float32 and standardisation on the GPU, once).

@@ -61,7 +61,7 @@ class GraphRiseConfig(Section):
     dim: PositiveInt = 64  # embedding size (HUSE and Graph-RISE: 64)
     input: Literal["regions", "global"] = "regions"  # the head's input: see the docstring
     hidden: PositiveInt = 256
-    alpha: NonNegativeFloat = 0.0  # graph regulariser weight (eq. 1); see the README's sweep
+    alpha: NonNegativeFloat = 0.0  # graph regulariser weight (eq. 1)
     # the other side of the graph on/off comparison in the metrics: the head is trained
     # again with alpha 0 when alpha > 0, else with this alpha
     compare_alpha: PositiveFloat = 0.01
