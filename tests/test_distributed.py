@@ -21,7 +21,7 @@ from features.ingest.validate import validate
 from features.store.layout import incomplete_path
 from features.store.reader import Store
 from features.store.spec import StoreConfig, StoreError
-from features.store.writer import StoreWriter
+from features.store.writer import ShardWriter, StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
@@ -36,12 +36,12 @@ SHARD_WRITER = """
 import sys, time
 import store_writer_job as job
 from features.store.spec import StoreConfig
-from features.store.writer import StoreWriter
+from features.store.writer import ShardWriter
 path, shards = sys.argv[1], [int(k) for k in sys.argv[2].split(",")]
 keys = [f"img{i:04d}" for i in range(120)]
 cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
 fields = job.fields_for("regions")
-with StoreWriter(path, "regions", fields, keys, job.PROVENANCE, cfg, shards=shards) as w:
+with ShardWriter(path, "regions", fields, keys, job.PROVENANCE, cfg, shards=shards) as w:
     print("open", flush=True)
     sys.stdin.readline()
     for shard in w.pending_shards():
@@ -67,7 +67,8 @@ def start_shard_writer(path: Path, shards: list[int]) -> subprocess.Popen:
 def writer(path: Path, shards=None, kind="regions", n=120) -> StoreWriter:
     keys = [f"img{i:04d}" for i in range(n)]
     cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
-    return StoreWriter(path, kind, job.fields_for(kind), keys, job.PROVENANCE, cfg, shards=shards)
+    args = (path, kind, job.fields_for(kind), keys, job.PROVENANCE, cfg)
+    return StoreWriter(*args) if shards is None else ShardWriter(*args, shards=shards)
 
 
 def test_concurrent_shard_writers_give_the_single_writer_store(tmp_path):

@@ -11,7 +11,8 @@ import torch
 
 from features.demo import DemoConfig, build_dataset
 from features.images.config import GridConfig, RegionsConfig
-from features.images.extract import extract_images, report_bad_images
+from features.images.extract import extract_images
+from features.images.report import report_bad_images
 from features.ingest.manifest import IngestError, read_manifest, write_manifest
 from features.ingest.readers import READERS, PrepareConfig
 from features.ingest.validate import validate

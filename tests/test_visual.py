@@ -18,10 +18,11 @@ from torchvision.ops import batched_nms, box_iou, nms, roi_align
 from features.demo import DemoConfig, build_dataset
 from features.detector.inputs import to_tensor
 from features.images.config import GridConfig, RegionsConfig
-from features.images.extract import extract_images, region_recall, report_bad_images
+from features.images.extract import extract_images
 from features.images.global_features import extract_global, fit_pca, project
 from features.images.grid import GridExtractor, build_trunk
 from features.images.regions import RegionExtractor, build_detector
+from features.images.report import region_recall, report_bad_images
 from features.images.select import _max_conf_from, butd_select
 from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
 from features.ingest.readers import READERS, PrepareConfig

@@ -33,7 +33,7 @@ partial: no stage needs ``persist``). Writers lock ``<store>.incomplete/.lock`` 
 ``flock``. A whole-store writer (the default) holds it exclusively: it alone creates,
 resumes, starts over and finalizes the store. A store of dense fields only can also be
 filled by several processes at once (e.g. Dask workers), each a *shard writer*
-(``StoreWriter(..., shards=[...])``): distinct shards are distinct files, so shard writers
+(``ShardWriter(..., shards=[...])``): distinct shards are distinct files, so shard writers
 share ``.lock`` and each holds an exclusive lock per shard (``.shard_locks/<k>``), commits
 its own shards and never finalizes; a whole-store writer opened afterwards finalizes the
 store, sweeps the lock files and moves it into place.

@@ -3,11 +3,8 @@ shard (data, then the shard's marker), finalizes it and moves it into place."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import shutil
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -40,7 +37,7 @@ from features.store.layout import (
     is_temp,
     write_every_chunk,
 )
-from features.store.locks import same_file, utc_now
+from features.store.locks import release, take_lock
 from features.store.raw import write_marker, write_raw_shard
 from features.store.spec import (
     RAGGED_ROWS_PER_SAMPLE,
@@ -72,11 +69,7 @@ class StoreWriter:
                 start, stop = writer.shard_range(shard)
                 writer.write_shard(shard, {"features": ..., ...})
 
-    With ``shards``, the writer is a *shard writer*: one of several processes filling
-    disjoint shards of a dense store concurrently. It opens a store that a whole-store
-    writer created (never creates, resumes ragged rows or starts one over), writes only
-    the given shards, each under its own lock, and never finalizes: open a whole-store
-    writer once every shard writer is done to finalize the store.
+    Several processes can fill a dense store's shards concurrently: :class:`ShardWriter`.
     """
 
     def __init__(
@@ -88,7 +81,6 @@ class StoreWriter:
         provenance: Provenance,
         cfg: StoreConfig | None = None,
         log=print,
-        shards: Sequence[int] | None = None,
     ):
         self.target = Path(path)
         self.path = incomplete_path(self.target)  # where the store is built
@@ -102,17 +94,7 @@ class StoreWriter:
         self.n_shards = -(-self.n // cfg.samples_per_shard)
         self.log = log
         self._lock_file = None
-        self._shard_lock_files: list = []
         self.reused = False  # the complete store at `target` was made from the same inputs
-        self.only: list[int] | None = None  # a shard writer's shards
-        if shards is not None:
-            self.only = sorted({int(k) for k in shards})
-            outside = [k for k in self.only if not 0 <= k < self.n_shards]
-            if outside:
-                raise StoreError(
-                    f"store {self.path}: shard(s) {outside} out of range; it has "
-                    f"{self.n_shards} shards (0..{self.n_shards - 1})"
-                )
 
     # -- lifecycle
 
@@ -124,9 +106,6 @@ class StoreWriter:
         self.close()
 
     def open(self) -> None:
-        if self.only is not None:
-            self._open_shards()
-            return
         if self._target_is_this_store():
             self.reused, self.committed = True, set(range(self.n_shards))
             self.log(f"store {self.target}: complete, made from the same inputs; kept")
@@ -172,90 +151,29 @@ class StoreWriter:
                 self._truncate_ragged(markers)
 
     def close(self) -> None:
-        for handle in self._shard_lock_files:  # lock files stay: only .lock's owner sweeps
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
-        self._shard_lock_files = []
         if self._lock_file is None:
             return
-        if self.only is None:  # shard writers never finalize nor remove the shared lock
-            (self.path / LOCK).unlink(missing_ok=True)
-            if len(self.committed) == self.n_shards:
-                if not self.group.attrs["vse"].get("complete"):
-                    self._finalize()
-                if read_checksums(*local_fs(self.path))[0] is None:
-                    self._write_checksums()  # last: a store with it is whole
-                replace_dir(self.path, self.target)  # still holding the lock's descriptor
-        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-        self._lock_file.close()
+        (self.path / LOCK).unlink(missing_ok=True)
+        if len(self.committed) == self.n_shards:
+            if not self.group.attrs["vse"].get("complete"):
+                self._finalize()
+            if read_checksums(*local_fs(self.path))[0] is None:
+                self._write_checksums()  # last: a store with it is whole
+            replace_dir(self.path, self.target)  # still holding the lock's descriptor
+        release(self._lock_file)
         self._lock_file = None
 
     def _acquire_lock(self, shared: bool = False) -> None:
-        """``flock`` ``.lock``: exclusively for a whole-store writer, shared by shard writers.
+        """``.lock``: exclusively for a whole-store writer, shared by shard writers."""
 
-        The lock file is unlinked when an exclusive writer closes; a lock taken on a file
-        that was unlinked meanwhile protects nothing, so it is taken again on the new file.
-        """
-        lock_path = self.path / LOCK
-        me = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
-        while True:
-            handle = open(lock_path, "a+")
-            try:
-                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                lines = [line for line in handle.read().splitlines() if line.strip()]
-                holder = "; ".join(lines[-3:]) or "another process"  # the latest ones
-                handle.close()
-                raise StoreError(
-                    f"store {self.path} is locked by a running writer ({holder}); wait for it "
-                    "to finish, or stop it, before writing this store"
-                ) from None
-            if same_file(handle, lock_path):
-                break
-            handle.close()
-        if shared:  # shard writers list themselves; the next exclusive writer truncates
-            handle.write(f"shard writer {me}\n")
-        else:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{me}\n")
-        handle.flush()
-        self._lock_file = handle
+        def refused(holder: str) -> StoreError:
+            return StoreError(
+                f"store {self.path} is locked by a running writer ({holder}); wait for it "
+                "to finish, or stop it, before writing this store"
+            )
 
-    def _open_shards(self) -> None:
-        """Open as a shard writer: shared store lock, one exclusive lock per own shard."""
-        ragged = self._ragged_names()
-        if ragged:
-            raise StoreError(
-                f"store {self.path}: ragged field(s) {ragged} put each shard's rows after the "
-                "previous shard's, so this store is written in order by one writer; open it "
-                "without shards= (and do not fan its shards out)"
-            )
-        if not (self.path / "zarr.json").is_file():
-            raise StoreError(
-                f"store {self.path} does not exist; create it first with one StoreWriter "
-                "without shards= (the coordinator), then start the shard writers"
-            )
-        self._acquire_lock(shared=True)
-        try:
-            existing = self._existing_attrs()
-            if existing is None or not self._same_store(existing):
-                found = (existing or {}).get("fingerprint", "?")[:12]
-                raise StoreError(
-                    f"store {self.path} was made from other inputs or with another layout "
-                    f"(fingerprint {found} != {self.fingerprint[:12]}); a shard writer never "
-                    "starts a store over: recreate it with one StoreWriter without shards= "
-                    "(the coordinator) first"
-                )
-            self._lock_shards()
-            self._open_group()
-            markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
-            self.committed = {k for k, m in enumerate(markers) if m}
-            # a killed writer's temporary files of our shards: swept by atomic_path
-        except BaseException:
-            self.close()
-            raise
+        label = "shard writer " if shared else ""
+        self._lock_file = take_lock(self.path / LOCK, refused, shared, label)
 
     def _open_group(self) -> None:
         """The store's group, commit markers and arrays, kept (each lookup through the group
@@ -264,28 +182,6 @@ class StoreWriter:
         self.commits = self.group[COMMITS]
         names = [[n, f"{n}_offsets"] if s.ragged else [n] for n, s in self.fields.items()]
         self._arrays = {name: self.group[name] for group in names for name in group}
-
-    def _lock_shards(self) -> None:
-        folder = self.path / SHARD_LOCKS
-        folder.mkdir(exist_ok=True)
-        me = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
-        for shard in self.only:
-            handle = open(folder / str(shard), "a+")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                handle.close()
-                raise StoreError(
-                    f"store {self.path}: shard {shard} is being written by another shard "
-                    f"writer ({holder}); give each writer its own shards"
-                ) from None
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{me}\n")
-            handle.flush()
-            self._shard_lock_files.append(handle)
 
     def _layout_attrs(self) -> dict:
         """The layout params, and the chunk keys' separator (a store with other keys is
@@ -422,9 +318,8 @@ class StoreWriter:
         return start, min(start + self.cfg.samples_per_shard, self.n)
 
     def pending_shards(self) -> list[int]:
-        """Uncommitted shards (of a shard writer: its own), in order."""
-        shards = range(self.n_shards) if self.only is None else self.only
-        return [k for k in shards if k not in self.committed]
+        """Uncommitted shards, in order."""
+        return [k for k in range(self.n_shards) if k not in self.committed]
 
     def write_shard(
         self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
@@ -440,11 +335,6 @@ class StoreWriter:
             self._write_shard(shard, data, dict(notes or {}))
 
     def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
-        if self.only is not None and shard not in self.only:
-            raise StoreError(
-                f"store {self.path}: shard {shard} is not one of this shard writer's shards "
-                f"{self.only}; another writer may be writing it"
-            )
         start, stop = self.shard_range(shard)
         if set(data) != set(self.fields):
             raise StoreError(
@@ -597,3 +487,92 @@ class StoreWriter:
             if rel not in files and rel != CHECKSUMS_CHUNK:
                 files[rel] = file_checksum(path.read_bytes())
         manifest[0] = checksums_text(files)
+
+
+class ShardWriter(StoreWriter):
+    """One of several processes filling disjoint ``shards`` of a dense store concurrently.
+
+    It opens a store that a :class:`StoreWriter` created (never creates, resumes ragged
+    rows or starts one over), writes only its shards, each under its own lock, and never
+    finalizes: open a :class:`StoreWriter` once every shard writer is done to finalize the
+    store."""
+
+    def __init__(self, *args, shards: Sequence[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shard_lock_files: list = []
+        self.only = sorted({int(k) for k in shards})
+        outside = [k for k in self.only if not 0 <= k < self.n_shards]
+        if outside:
+            raise StoreError(
+                f"store {self.path}: shard(s) {outside} out of range; it has "
+                f"{self.n_shards} shards (0..{self.n_shards - 1})"
+            )
+
+    def open(self) -> None:
+        """The shared store lock, then one exclusive lock per own shard."""
+        ragged = self._ragged_names()
+        if ragged:
+            raise StoreError(
+                f"store {self.path}: ragged field(s) {ragged} put each shard's rows after the "
+                "previous shard's, so this store is written in order by one writer; open it "
+                "with a StoreWriter (and do not fan its shards out)"
+            )
+        if not (self.path / "zarr.json").is_file():
+            raise StoreError(
+                f"store {self.path} does not exist; create it first with one StoreWriter "
+                "(the coordinator), then start the shard writers"
+            )
+        self._acquire_lock(shared=True)
+        try:
+            existing = self._existing_attrs()
+            if existing is None or not self._same_store(existing):
+                found = (existing or {}).get("fingerprint", "?")[:12]
+                raise StoreError(
+                    f"store {self.path} was made from other inputs or with another layout "
+                    f"(fingerprint {found} != {self.fingerprint[:12]}); a shard writer never "
+                    "starts a store over: recreate it with one StoreWriter "
+                    "(the coordinator) first"
+                )
+            self._lock_shards()
+            self._open_group()
+            markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
+            self.committed = {k for k, m in enumerate(markers) if m}
+            # a killed writer's temporary files of our shards: swept by atomic_path
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_shards(self) -> None:
+        folder = self.path / SHARD_LOCKS
+        folder.mkdir(exist_ok=True)
+        for shard in self.only:
+
+            def refused(holder: str, shard=shard) -> StoreError:
+                return StoreError(
+                    f"store {self.path}: shard {shard} is being written by another shard "
+                    f"writer ({holder}); give each writer its own shards"
+                )
+
+            self._shard_lock_files.append(take_lock(folder / str(shard), refused))
+
+    def close(self) -> None:
+        """Release the shard locks (their files stay: only the whole-store writer sweeps
+        them) and the shared store lock; nothing is finalized."""
+        for handle in self._shard_lock_files:
+            release(handle)
+        self._shard_lock_files = []
+        if self._lock_file is not None:
+            release(self._lock_file)
+            self._lock_file = None
+
+    def pending_shards(self) -> list[int]:
+        """This writer's uncommitted shards, in order."""
+        return [k for k in self.only if k not in self.committed]
+
+    def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
+        if shard not in self.only:
+            raise StoreError(
+                f"store {self.path}: shard {shard} is not one of this shard writer's shards "
+                f"{self.only}; another writer may be writing it"
+            )
+        super()._write_shard(shard, data, notes)

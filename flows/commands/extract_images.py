@@ -59,12 +59,8 @@ def dask_settings(args) -> tuple[int, str | None]:
 
 
 def run(args, params) -> int:
-    from features.images.extract import (
-        build_image_extractor,
-        extract_images,
-        region_recall,
-        report_bad_images,
-    )
+    from features.images.extract import build_image_extractor, extract_images
+    from features.images.report import region_recall, report_bad_images
     from features.ingest.manifest import read_manifest
 
     stage = args.stage
