@@ -32,11 +32,11 @@ test: install-dev
 	pytest
 
 lint: install-dev
-	ruff check flows features models tests benchmarks docs/_hooks
+	ruff check flows features models tests tools benchmarks docs/_hooks
 
 docs: install-dev  # the documentation site into build/site (tests/test_docs.py builds it too)
 	mkdocs build --strict
 
-mutation: install-dev  # slow (about an hour on 2 cores), not in CI: tests/mutation.py
+mutation: install-dev  # slow (about an hour on 2 cores), not in CI: tools/mutation.py
 	$(BIN)/python -m pip install -e '.[dev,mutation]'
-	$(BIN)/python tests/mutation.py
+	$(BIN)/python tools/mutation.py

@@ -21,6 +21,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 REPO = Path(__file__).resolve().parent.parent
+# the project's tools (tools/: dag_deps, mutation, make_butd_golden) and the tests' subprocess
+# jobs (tests/jobs/), importable by the tests
+sys.path[:0] = [str(REPO / "tools"), str(REPO / "tests" / "jobs")]
 
 # A run's tmp folders peak at about 3 GB (torchvision checkpoints, copies of the demo); pytest
 # removes them as it goes (pyproject.toml: tmp_path_retention_policy).

@@ -265,7 +265,7 @@ def test_golden_fixture_records_its_versions_and_peaked_scores():
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_native_matches_golden_detectron2_fixture(checkpoints, name):
     """The regions that upstream detectron2 (with the backend's registrations) extracted
-    (tests/make_butd_golden.py), reproduced by the native model."""
+    (tools/make_butd_golden.py), reproduced by the native model."""
     golden = np.load(GOLDEN)
     assert list(golden["photos"]) == [p.name for p in GOLDEN_PHOTOS]
     cfg = RegionsConfig(weights=checkpoints[name], device="cpu", **GOLDEN_PARAMS)

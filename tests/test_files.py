@@ -16,7 +16,7 @@ import yaml
 from flows.cli import main
 from infra.files import atomic_path, sweep_stale, write_text
 
-JOB = Path(__file__).parent / "kill_job.py"
+JOB = Path(__file__).parent / "jobs" / "kill_job.py"
 MATPLOTLIB = ["matplotlib.pyplot", "models.report"]
 REPO = Path(__file__).parent.parent
 

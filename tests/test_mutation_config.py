@@ -1,5 +1,5 @@
 """``make mutation``'s configuration covers what it claims: every module named by
-``tests/mutation.py``'s ``TARGETS`` is mutated (``only_mutate``), and every test file that
+``tools/mutation.py``'s ``TARGETS`` is mutated (``only_mutate``), and every test file that
 imports one of them (directly or through a helper module of ``tests/``) is in mutmut's
 test selection, so no target module is scored without the tests that reach it."""
 
@@ -46,9 +46,11 @@ def reached_files(test_file, seen=None) -> set[str]:
     for name in imported(test_file):
         if (found := module_file(name)) is not None:
             out.add(str(found.relative_to(REPO)))
-        elif (helper := TESTS / f"{name}.py").is_file() and helper not in seen:
-            seen.add(helper)
-            out |= reached_files(helper, seen)
+        else:
+            for folder in (TESTS, TESTS / "jobs", REPO / "tools"):
+                if (helper := folder / f"{name}.py").is_file() and helper not in seen:
+                    seen.add(helper)
+                    out |= reached_files(helper, seen)
     return out
 
 

@@ -260,7 +260,12 @@ def read_all(packed) -> list:
 
 
 def _launch(repo_root, out, world: int, batch: int, stop: int, port: int, resume: bool):
-    job = [str(repo_root / "tests" / "ddp_elastic_job.py"), str(out), str(batch), str(stop)]
+    job = [
+        str(repo_root / "tests" / "jobs" / "ddp_elastic_job.py"),
+        str(out),
+        str(batch),
+        str(stop),
+    ]
     job += ["--resume"] if resume else []
     run = [sys.executable, *job]
     if world > 1:

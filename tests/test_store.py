@@ -28,7 +28,7 @@ from features.store.writer import StoreWriter
 sys.path.insert(0, str(Path(__file__).parent))
 import store_writer_job as job  # noqa: E402
 
-JOB = Path(__file__).parent / "store_writer_job.py"
+JOB = Path(__file__).parent / "jobs" / "store_writer_job.py"
 
 
 def files_of(path: Path) -> dict[str, bytes]:

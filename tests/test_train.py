@@ -151,7 +151,7 @@ def test_torchrun_two_processes_gloo(tmp_path, repo_root):
         "127.0.0.1",
         "--master_port",
         "29533",
-        str(repo_root / "tests" / "ddp_train_job.py"),
+        str(repo_root / "tests" / "jobs" / "ddp_train_job.py"),
         str(tmp_path),
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

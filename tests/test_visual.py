@@ -488,7 +488,7 @@ JOB = """
 import sys
 from pathlib import Path
 import torch
-from features.images.extract import extract_images, report_bad_images
+from features.images.extract import extract_images
 from features.ingest.manifest import read_manifest
 from features.store.spec import StoreConfig
 from features.images.grid import GridExtractor, build_trunk

@@ -3,7 +3,7 @@
 mutmut (configured in ``pyproject.toml``, ``[tool.mutmut]``) makes one-line changes to the
 functions named by ``TARGETS`` and runs the tests that reach each of them; a mutant that no
 test notices *survives*. A survivor is either killed by a new test or listed in
-``tests/mutation_equivalent.txt`` with one line saying why it cannot change a result (an
+``tools/mutation_equivalent.txt`` with one line saying why it cannot change a result (an
 equivalent mutant). This script runs mutmut over ``TARGETS`` (or reads the last run with
 ``--report``), prints the score per module with the equivalent mutants set aside, and
 lists every survivor that is neither killed nor explained. Unreached mutants (no selected
@@ -15,11 +15,11 @@ longer exists, whose function changed since the reason was written, that has no 
 that a test kills, fails the run; so does a survivor left unexplained, or a module scoring
 under ``--min-score``.
 
-    python tests/mutation.py                 # run (about an hour on 2 cores) and report
-    python tests/mutation.py --report        # report the last run again
-    python tests/mutation.py 'models.metrics.*'   # one module (mutmut's name globs)
-    python tests/mutation.py --generate --review   # mutants only: each entry's diff and why
-    python tests/mutation.py --pin           # pin entries without a pin (after a review)
+    python tools/mutation.py                 # run (about an hour on 2 cores) and report
+    python tools/mutation.py --report        # report the last run again
+    python tools/mutation.py 'models.metrics.*'   # one module (mutmut's name globs)
+    python tools/mutation.py --generate --review   # mutants only: each entry's diff and why
+    python tools/mutation.py --pin           # pin entries without a pin (after a review)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
-EQUIVALENT = REPO / "tests" / "mutation_equivalent.txt"
+EQUIVALENT = REPO / "tools" / "mutation_equivalent.txt"
 
 # mutmut's mutant names: <module>.x_<function>__mutmut_<n>, or
 # <module>.xǁ<Class>ǁ<method>__mutmut_<n>. Plots are left out: a figure is looked at, and

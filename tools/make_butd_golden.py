@@ -12,7 +12,7 @@ extractor's region fields, and the versions that made it: ``torch_version``,
 the source detectron2 was built from, read from the archive pip installed it from where
 that is still at hand; else "unknown").
 
-Run where detectron2 is importable: ``python tests/make_butd_golden.py``."""
+Run where detectron2 is importable: ``python tools/make_butd_golden.py``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent / "tests"
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # run as a script: the tests' and the project's
 
 from butd_data import butd_state, peaked_head  # noqa: E402

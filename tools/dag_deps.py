@@ -1,7 +1,7 @@
 """What each DVC stage runs, derived from the code: the project modules its command
 imports (transitively, imports inside functions included) and the paths it reads and
-writes. ``tests/test_dag.py`` checks ``dvc.yaml`` against it; ``python tests/dag_deps.py``
-prints each stage's code deps, ``python tests/dag_deps.py --write`` puts them in
+writes. ``tests/test_dag.py`` checks ``dvc.yaml`` against it; ``python tools/dag_deps.py``
+prints each stage's code deps, ``python tools/dag_deps.py --write`` puts them in
 ``dvc.yaml`` (the other deps, comments and order stay)."""
 
 from __future__ import annotations
