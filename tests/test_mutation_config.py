@@ -101,7 +101,23 @@ def test_the_report_scores_unreached_mutants_and_checks_each_pin(tmp_path, monke
         "m.x_f__mutmut_8": "not checked",
     }
     lines = []
-    code = mutation.report(statuses, ["m.*"], 0.0, pin=pins.get, out=lines.append)
+    written = tmp_path / "scores.json"
+    code = mutation.report(statuses, ["m.*"], 0.0, pin=pins.get, out=lines.append, write=written)
+    import json
+
+    table = json.loads(written.read_text())
+    assert (
+        table["m"]
+        == table["all"]
+        == {
+            "mutants": 7,
+            "killed": 2,
+            "equivalent": 3,
+            "survived": 2,
+            "unreached": 2,
+            "score": 50.0,
+        }
+    )
     text = "\n".join(lines)
     assert code == 1
     # killed 4, 6; survivors 7 and 8 (unreached); 1, 2 and 5 set aside as listed (2 and 5

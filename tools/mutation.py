@@ -20,6 +20,7 @@ under ``--min-score``.
     python tools/mutation.py 'models.metrics.*'   # one module (mutmut's name globs)
     python tools/mutation.py --generate --review   # mutants only: each entry's diff and why
     python tools/mutation.py --pin           # pin entries without a pin (after a review)
+    python tools/mutation.py --report --write   # the per-module table for the docs
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import difflib
 import fnmatch
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -38,6 +40,7 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT = REPO / "tools" / "mutation_equivalent.txt"
+SCORES = REPO / "tools" / "mutation_scores.json"  # --write: the per-module table of the docs
 
 # mutmut's mutant names: <module>.x_<function>__mutmut_<n>, or
 # <module>.xǁ<Class>ǁ<method>__mutmut_<n>. Plots are left out: a figure is looked at, and
@@ -214,12 +217,34 @@ def percent(c: Counter) -> float:
     return 100.0 * c["killed"] / scored if scored else 100.0
 
 
+def scores_json(counts: dict[str, Counter]) -> dict:
+    """Per module and over all: mutants, killed, equivalent, survived (unreached among
+    them) and the score in percent, as written to :data:`SCORES`."""
+    total = Counter()
+    for c in counts.values():
+        total.update(c)
+    keys = ("killed", "equivalent", "survived", "unreached")
+    return {
+        mod: {"mutants": c["killed"] + c["equivalent"] + c["survived"]}
+        | {k: c[k] for k in keys}
+        | {"score": round(percent(c), 1)}
+        for mod, c in [*sorted(counts.items()), ("all", total)]
+    }
+
+
 def report(
-    statuses: dict[str, str], patterns: list[str], min_score: float, pin=pin_of, out=print
+    statuses: dict[str, str],
+    patterns: list[str],
+    min_score: float,
+    pin=pin_of,
+    out=print,
+    write: Path | None = None,
 ) -> int:
     chosen = {k: v for k, v in statuses.items() if any(fnmatch.fnmatch(k, p) for p in patterns)}
     equivalent = read_equivalent()
     counts = score(chosen, equivalent)
+    if write is not None:  # the table the docs show, from this run
+        write.write_text(json.dumps(scores_json(counts), indent=1) + "\n")
     out(
         f"{'module':28} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9}"
         f" {'unreached':>9} {'score':>6}"
@@ -291,6 +316,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--pin", action="store_true", help="pin the entries that have no pin")
     ap.add_argument("--min-score", type=float, default=90.0, help="per module, in percent")
+    ap.add_argument(
+        "--write", action="store_true", help=f"write the per-module table to {SCORES.name}"
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     patterns = args.patterns or TARGETS
@@ -315,7 +343,7 @@ def main(argv=None) -> int:
         done = subprocess.run(cmd, cwd=REPO, env=env)
         if done.returncode:
             return done.returncode
-    return report(results(), patterns, args.min_score)
+    return report(results(), patterns, args.min_score, write=SCORES if args.write else None)
 
 
 if __name__ == "__main__":
