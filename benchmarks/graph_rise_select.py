@@ -8,7 +8,7 @@ label_precision`) among the val images of heads trained on the train split:
 - ``dropout`` before each layer of the item MLP;
 - ``label_weighting``: ``none`` (each of an image's labels an equal share of its target
   distribution) or ``idf`` (shares scaled by the label's smooth IDF over the train images,
-  ``log((1 + N) / (1 + n_l)) + 1``, so rare labels weigh more);
+  :func:`features.images.graph_rise.labels.idf_weights`, so rare labels weigh more);
 - ``alpha``, the graph regulariser's weight (0: no graph).
 
 Two rounds bound the cost (a head takes 5-30 s on one CPU thread): every candidate is
@@ -41,7 +41,13 @@ import numpy as np
 import yaml
 
 from features.images.graph_rise import graph as G
-from features.images.graph_rise.labels import image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.labels import (
+    WeightedLabels,
+    idf_weights,
+    image_labels,
+    label_vocabulary,
+    multi_hot,
+)
 from features.images.graph_rise.model import Graph, Head, ItemSets, embed, train_head
 from features.images.graph_rise.stage import GraphRiseConfig, caption_vectors, region_sets
 
@@ -73,34 +79,23 @@ def candidates(grid: dict[str, Sequence]) -> list[dict]:
     return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
-def label_weights(targets: np.ndarray) -> np.ndarray:
-    """(L,) smooth IDF of each label over the (train) images ``targets (N, L)``:
-    ``log((1 + N) / (1 + n_l)) + 1``, ``n_l`` the images carrying label l."""
-    n_l = targets.astype(bool).sum(0)
-    return (np.log((1 + len(targets)) / (1 + n_l)) + 1).astype(np.float32)
-
-
 def train_candidate(
     setting: dict, seed: int, train: Split, cfg: GraphRiseConfig, log: Callable = print
 ) -> Head:
-    """The stage's head trained on the train split with ``setting`` and ``seed``: with
-    ``label_weighting: idf`` its targets are the multi-hot labels times their weights, which
-    the loss normalises into a weighted label distribution."""
-    run = cfg.model_copy(
-        update={"input": setting["input"], "dropout": float(setting["dropout"]), "seed": seed}
-    )
-    targets = train.targets.astype(np.float32)  # (N, L)
-    if setting["label_weighting"] == "idf":
-        targets = targets * label_weights(train.targets)
-    elif setting["label_weighting"] != "none":
-        raise ValueError(f"label_weighting {setting['label_weighting']!r}: none or idf")
+    """The head stage ``graph_rise`` trains, on the train split, with ``setting`` (the
+    stage's params for the keys it names) and ``seed``."""
+    run = cfg.model_copy(update={**setting, "seed": seed})
+    GraphRiseConfig.model_validate(run.model_dump())  # a setting the stage would refuse fails
+    targets = train.targets  # (N, L) multi-hot
+    if run.label_weighting == "idf":  # as the stage
+        targets = WeightedLabels(targets, idf_weights(targets))
     model, _ = train_head(
         train.inputs[setting["input"]],
         np.arange(len(targets)),
         targets,
         train.graph,
         run,
-        float(setting["alpha"]),
+        run.alpha,
         {},
         None,
         log=log,

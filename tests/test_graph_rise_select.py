@@ -123,12 +123,6 @@ def test_the_test_split_is_read_after_the_choice_for_the_chosen_setting_only(
     assert t["trained_over_pca"] == pytest.approx(t["trained"] / t["pca"], abs=2e-3)
 
 
-def test_idf_weighting_by_hand(select_script):
-    targets = np.array([[1, 1, 0], [1, 0, 0], [1, 0, 0]], np.uint8)  # label 2 on no image
-    w = select_script.label_weights(targets)
-    np.testing.assert_allclose(w, [np.log(4 / 4) + 1, np.log(4 / 2) + 1, np.log(4 / 1) + 1])
-
-
 def test_candidates_cover_the_grid_in_order(select_script):
     got = select_script.candidates({"a": [1, 2], "b": ["x", "y", "z"]})
     assert len(got) == 6 and got[0] == {"a": 1, "b": "x"} and got[1] == {"a": 1, "b": "y"}
