@@ -56,6 +56,25 @@ def test_labels_of_a_hand_made_image():
     np.testing.assert_array_equal(multi_hot(images, vocab), [[1, 1], [1, 0], [1, 1]])
 
 
+def test_idf_weights_and_weighted_targets_by_hand():
+    from features.images.graph_rise.labels import WeightedLabels, idf_weights
+
+    labels = np.array([[1, 1, 0], [1, 0, 0], [1, 0, 0]], np.uint8)  # label 2 on no image
+    w = idf_weights(labels)
+    np.testing.assert_allclose(w, [np.log(4 / 4) + 1, np.log(4 / 2) + 1, np.log(4 / 1) + 1])
+    targets = WeightedLabels(labels, w)
+    assert targets.shape == (3, 3) and len(targets) == 3
+    batch = targets[np.array([2, 0])]  # (2, 3), a batch in any order
+    assert batch.dtype == np.float32
+    np.testing.assert_allclose(batch, [[w[0], 0, 0], [w[0], w[1], 0]])
+    # the loss: cross entropy against the weighted labels as a distribution
+    logits = torch.tensor([[2.0, 0.0, -1.0]])
+    logp = logits[0] - torch.logsumexp(logits[0], 0)
+    want = -(w[0] * logp[0] + w[1] * logp[1]) / (w[0] + w[1])
+    got = M.label_loss(logits, torch.from_numpy(targets[np.array([0])]))
+    assert float(got) == pytest.approx(float(want))
+
+
 def test_knn_graph_matches_brute_force():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 8)).astype(np.float32)

@@ -10,7 +10,8 @@ pipeline's own scene graphs (stage ``scenegraph``), one label per distinct tuple
 
 An image's labels are the union over its captions. The vocabulary keeps the labels of at
 least ``min_images`` train images (the frequency floor), most frequent first (ties by
-text), so it is fixed by the train captions alone.
+text), so it is fixed by the train captions alone. With ``label_weighting: idf`` the loss
+weighs each label by its smooth IDF over the train images (:func:`idf_weights`).
 """
 
 from __future__ import annotations
@@ -62,3 +63,30 @@ def multi_hot(per_image: Sequence[set[tuple[str, str]]], vocabulary: Sequence[di
         cols = [index[label] for label in labels if label in index]
         out[row, cols] = 1
     return out
+
+
+def idf_weights(labels: np.ndarray) -> np.ndarray:
+    """(L,) float32 smooth IDF of each label over the (train) images ``labels (N, L)``:
+    ``log((1 + N) / (1 + n_l)) + 1``, ``n_l`` the images carrying label l; rare labels
+    weigh more, none weighs 0."""
+    n_l = labels.astype(bool).sum(0)  # (L,)
+    return (np.log((1 + len(labels)) / (1 + n_l)) + 1).astype(np.float32)
+
+
+class WeightedLabels:
+    """The multi-hot ``labels (N, L)`` times per-label ``weights (L,)`` as training targets,
+    made a batch of rows at a time (``[rows]`` -> float32 ``(B, L)``), so the uint8 labels
+    are never copied whole as floats. The loss normalises each row into a distribution."""
+
+    def __init__(self, labels: np.ndarray, weights: np.ndarray):
+        self.labels, self.weights = labels, np.asarray(weights, np.float32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.labels.shape
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return self.labels[rows] * self.weights  # (B, L) float32

@@ -10,9 +10,9 @@
    Written as parquet ``src, dst, weight`` (image keys).
 3. The head (:mod:`.model`) on the regions store's regions (``input: regions``: each
    region's feature, its box over the image size and its area) or on the global store's
-   pooled ``features`` (``input: global``, a set of one), with ``alpha`` and, for the
-   metrics, with ``alpha = 0`` or, when ``alpha`` is 0, with ``compare_alpha`` (the
-   graph's contribution, measured either way).
+   pooled ``features`` (``input: global``, a set of one), its labels weighted by
+   ``label_weighting``, with ``alpha`` and, for the metrics, with ``alpha = 0`` or, when
+   ``alpha`` is 0, with ``compare_alpha`` (the graph's contribution, measured either way).
 4. A ``global``-kind store: ``features`` (dim,) the L2-normalised embedding (zeros where
    the global store's image is invalid) and ``valid``; its fingerprint names the label
    vocabulary, the graph and the checkpoint. ``output: pca`` writes the global store's
@@ -36,7 +36,14 @@ import numpy as np
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from features.images.graph_rise import graph as G
-from features.images.graph_rise.labels import KINDS, image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.labels import (
+    KINDS,
+    WeightedLabels,
+    idf_weights,
+    image_labels,
+    label_vocabulary,
+    multi_hot,
+)
 from features.images.graph_rise.model import ItemSets
 from features.ingest.manifest import Manifest
 from features.scenegraph.files import read_graphs
@@ -62,6 +69,9 @@ class GraphRiseConfig(Section):
     input: Literal["regions", "global"] = "regions"  # the head's input: see the docstring
     hidden: PositiveInt = 256
     alpha: NonNegativeFloat = 0.0  # graph regulariser weight (eq. 1)
+    # L_s's labels: none (equal shares) | idf (each label by its smooth IDF over the train
+    # images, labels.idf_weights)
+    label_weighting: Literal["none", "idf"] = "idf"
     # the other side of the graph on/off comparison in the metrics: the head is trained
     # again with alpha 0 when alpha > 0, else with this alpha
     compare_alpha: PositiveFloat = 0.01
@@ -70,8 +80,8 @@ class GraphRiseConfig(Section):
     batch_size: PositiveInt = 64  # seed images per batch
     lr: PositiveFloat = 0.003
     weight_decay: NonNegativeFloat = 0.0001
-    # before each layer of the item MLP (not in the paper): 0.5 chosen by val P@10
-    dropout: float = Field(0.5, ge=0, lt=1)
+    # before each layer of the item MLP (not in the paper; 0: none)
+    dropout: float = Field(0.0, ge=0, lt=1)
     seed: int = Field(0, ge=0)
     device: Device = "auto"
     precision_k: PositiveInt = 10  # kNN label precision@k on val and test
@@ -232,10 +242,13 @@ def train_graph_rise(
         # a head this small gains nothing from intra-op threads; on shared cores they cost
         # up to 9x (measured on the demo: 10.7 s against 1.2 s for 5 epochs, load ~10)
         torch.set_num_threads(1)
+    fit_targets = targets[fit]  # (Nfit, L)
+    if cfg.label_weighting == "idf":
+        fit_targets = WeightedLabels(fit_targets, idf_weights(fit_targets))
     model, history = train_head(
         items,
         fit,
-        targets[fit],
+        fit_targets,
         g,
         cfg,
         cfg.alpha,
@@ -251,7 +264,7 @@ def train_graph_rise(
 
     other = 0.0 if cfg.alpha > 0 else cfg.compare_alpha
     compared, _ = train_head(
-        items, fit, targets[fit], g, cfg, other, identity, None, False, device, log
+        items, fit, fit_targets, g, cfg, other, identity, None, False, device, log
     )
     k = cfg.precision_k
 
