@@ -55,7 +55,7 @@ def start_shard_writer(path: Path, shards: list[int]) -> subprocess.Popen:
     tests, repo = Path(__file__).parent, Path(__file__).parent.parent
     proc = subprocess.Popen(
         [sys.executable, "-c", SHARD_WRITER, str(path), ",".join(map(str, shards))],
-        env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tests}"},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [repo, tests, tests / "jobs"]))},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
