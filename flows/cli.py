@@ -3,7 +3,9 @@
 Every command that reads params validates the whole ``params.yaml`` before doing anything,
 so a broken config fails fast, and hands its handler the typed sections. Paths come from
 the command line (written once, in ``dvc.yaml``). A failure the user can fix prints one
-``error: ...`` line and exits non-zero.
+``error: ...`` line and exits non-zero. Before a command runs, numpy's and torch's CPU
+kernels and thread counts are pinned (:mod:`infra.kernels`), so its outputs are the same
+bytes on every x86-64 machine.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import sys
 
 from flows.commands import GROUPS, discover
+from infra import kernels
 from infra.config import ConfigError, UserError
 
 
@@ -43,9 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv``. Run as ``vse`` (no ``argv``), the process's CPU kernels and
+    thread counts are pinned first (:func:`infra.kernels.pin`); given a list (tests, other
+    Python code), the calling process's environment is left as it is."""
     args = build_parser().parse_args(argv)
     command = args.command_spec
     try:
+        if argv is None:
+            kernels.pin()  # before numpy or torch loads: the same floats on every machine
         params = None
         if command.sections is not None:
             from flows.params import load_params

@@ -105,8 +105,25 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json(path: str | Path, data: Any, indent: int | None = 2) -> None:
-    """Write ``data`` as JSON, atomically; the same data gives the same bytes."""
+def round_floats(data: Any, digits: int) -> Any:
+    """``data`` (JSON-like: dicts, lists, numbers) with every float rounded to ``digits``
+    decimals; ints, bools and strings unchanged."""
+    if isinstance(data, float):
+        return round(data, digits)
+    if isinstance(data, dict):
+        return {k: round_floats(v, digits) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [round_floats(v, digits) for v in data]
+    return data
+
+
+def write_json(path: str | Path, data: Any, indent: int | None = 2, digits: int | None = None):
+    """Write ``data`` as JSON, atomically; the same data gives the same bytes. With
+    ``digits``, floats are rounded to that many decimals (:func:`round_floats`): a figure
+    then reads as what it means, and one that differs only beyond them (a float sum in
+    another order) writes the same bytes."""
+    if digits is not None:
+        data = round_floats(data, digits)
     write_text(path, json.dumps(data, indent=indent) + "\n")
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from infra.files import atomic_path, sweep_stale, write_text
+from infra.files import atomic_path, sweep_stale, write_json, write_text
 
 JOB = Path(__file__).parent / "jobs" / "kill_job.py"
 MATPLOTLIB = ["matplotlib.pyplot", "models.report"]
@@ -175,3 +175,13 @@ def test_atomic_outputs_are_readable_by_the_team(tmp_path):
         (tmp / "a.png").write_bytes(b"x")
     assert (tmp_path / "out.json").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "folder").stat().st_mode & 0o777 == 0o755
+
+
+def test_write_json_rounds_only_the_floats_to_the_digits_asked(tmp_path):
+    data = {"mean": 0.123456789, "rows": [3, 2.00000004, True, "0.123456"], "tiny": {"p": 4e-9}}
+    write_json(tmp_path / "m.json", data, digits=4)
+    back = json.loads((tmp_path / "m.json").read_text())
+    assert back == {"mean": 0.1235, "rows": [3, 2.0, True, "0.123456"], "tiny": {"p": 0.0}}
+    assert isinstance(back["rows"][0], int) and back["rows"][2] is True
+    write_json(tmp_path / "full.json", data)
+    assert json.loads((tmp_path / "full.json").read_text()) == data

@@ -41,6 +41,7 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parent.parent
 EQUIVALENT = REPO / "tools" / "mutation_equivalent.txt"
 SCORES = REPO / "tools" / "mutation_scores.json"  # --write: the per-module table of the docs
+MUTMUT = str(Path(sys.executable).with_name("mutmut"))  # beside this Python: no PATH needed
 
 # mutmut's mutant names: <module>.x_<function>__mutmut_<n>, or
 # <module>.xǁ<Class>ǁ<method>__mutmut_<n>. Plots are left out: a figure is looked at, and
@@ -285,7 +286,7 @@ def report(
 def results() -> dict[str, str]:
     """Every mutant of the last run and its status (killed, survived, timeout ...)."""
     out = subprocess.run(
-        ["mutmut", "results", "--all", "true"], cwd=REPO, capture_output=True, text=True
+        [MUTMUT, "results", "--all", "true"], cwd=REPO, capture_output=True, text=True
     )
     if out.returncode:
         sys.exit(f"error: mutmut results failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
         return 0
     if not args.report:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per mutant process
-        cmd = ["mutmut", "run", "--max-children", str(args.jobs), *patterns]
+        cmd = [MUTMUT, "run", "--max-children", str(args.jobs), *patterns]
         done = subprocess.run(cmd, cwd=REPO, env=env)
         if done.returncode:
             return done.returncode

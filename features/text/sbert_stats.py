@@ -19,6 +19,7 @@ from infra.config import Section
 from infra.device import Device
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+DIGITS = 4  # decimals of the metrics written (a cosine's mean over thousands of pairs)
 
 
 class SbertConfig(Section):
@@ -164,7 +165,7 @@ def write_statistics(result: dict, metrics, histogram, png, examples) -> None:
     """Stage ``sbert_stats``' outputs: metrics, histogram (a DVC plot), PNG, extremes."""
     from infra.files import atomic_path, write_json
 
-    write_json(metrics, result["metrics"])
+    write_json(metrics, result["metrics"], digits=DIGITS)
     write_json(histogram, result["histogram"], indent=1)
     write_json(examples, result["extremes"])
     with atomic_path(png) as tmp:

@@ -1,5 +1,5 @@
-"""``vse store ls | info | verify | import-precomp | import-tsv | import-npz | export-precomp
-| export-tsv``."""
+"""``vse store ls | info | verify | compare | import-precomp | import-tsv | import-npz |
+export-precomp | export-tsv``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,63 @@ def run_verify(args, params) -> int:
     store = Store.open(args.url, storage_options=_storage_options(args))
     print(f"verify: {args.url} is intact ({len(store)} samples, all shards committed)")
     return 0
+
+
+def compare_arguments(p) -> None:
+    p.add_argument("a", help="store path or URL")
+    p.add_argument("b", help="the store to compare it with, the reference of --rtol")
+    p.add_argument(
+        "--atol", type=float, default=0.0, help="absolute tolerance (default 0: equal values)"
+    )
+    p.add_argument(
+        "--rtol", type=float, default=0.0, help="tolerance relative to B's value (default 0)"
+    )
+    p.add_argument(
+        "--fields", nargs="+", help="fields to compare (default: all, and the store-level arrays)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--storage-options",
+        help='fsspec options as JSON for both stores, e.g. \'{"endpoint_url": "..."}\'',
+    )
+
+
+def run_compare(args, params) -> int:
+    """Largest absolute and relative difference per field; exit 1 if one is beyond
+    ``atol + rtol * |b|``."""
+    from features.store.compare import compare_stores
+    from features.store.reader import Store
+
+    options = _storage_options(args)
+    a, b = (Store.open(url, storage_options=options) for url in (args.a, args.b))
+    diffs = compare_stores(a, b, args.atol, args.rtol, args.fields)
+    beyond = [d.name for d in diffs if not d.within]
+    if args.json:
+        print(json.dumps([d.as_dict() for d in diffs], indent=2))
+    else:
+        header = ("field", "dtype", "values", "differing", "max abs", "max rel", "within")
+        rows = [
+            (
+                d.name,
+                d.dtype,
+                str(d.values),
+                str(d.differing),
+                f"{d.max_abs:.3g}",
+                f"{d.max_rel:.3g}",
+                "yes" if d.within else "NO",
+            )
+            for d in diffs
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        identical = sum(d.identical for d in diffs)
+        print(
+            f"compare: {identical} of {len(diffs)} identical, {len(diffs) - len(beyond)} "
+            f"within atol {args.atol:g} + rtol {args.rtol:g} x |b|"
+            + (f"; beyond it: {', '.join(beyond)}" if beyond else "")
+        )
+    return 1 if beyond else 0
 
 
 def precomp_arguments(p) -> None:
@@ -273,6 +330,17 @@ COMMANDS = [
         help="recompute checksums; name every corrupt or missing file",
         arguments=_url_arguments,
         run=run_verify,
+        sections=None,
+    ),
+    Command(
+        "store compare",
+        help="largest absolute and relative difference per field of two stores of the "
+        "same samples, and whether within a tolerance",
+        description="Stores made by the same code on any x86-64 CPU are the same bytes; "
+        "one made on a GPU or with another torch version differs in the last bits of its "
+        "floats. Exit 1 if a value is beyond |a - b| <= atol + rtol * |b|.",
+        arguments=compare_arguments,
+        run=run_compare,
         sections=None,
     ),
     Command(

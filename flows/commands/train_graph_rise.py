@@ -52,7 +52,7 @@ def run(args, params) -> int:
         sbert_embed=sbert,
         resume=args.resume,
     )
-    write_json(Path(args.metrics), metrics)
+    write_json(Path(args.metrics), metrics, digits=4)  # precisions over ~100 images
     g = metrics["graph"]
     print(
         f"graph-rise: {metrics['labels']['vocabulary']} labels; graph {g['edges']} edges, "

@@ -1,0 +1,69 @@
+"""The same floats on every x86-64 machine: numpy's and torch's CPU kernels and thread
+counts chosen by the pipeline, not by the machine it runs on.
+
+Each numerical library picks its code by the CPU it finds and splits its work by the
+cores it finds: OpenBLAS (numpy's products and eigendecompositions) a kernel per CPU
+model, torch's vector kernels AVX-512 where the CPU has it, oneDNN (torch's convolutions)
+its widest instructions, MKL (torch's matrix products) a branch per vendor and ISA.
+Another kernel or another thread count adds in another order, the last bits of a float
+change, and with them every hash in ``dvc.lock`` downstream. :func:`pin`, which ``vse``
+calls before numpy or torch loads, makes the same choice on every x86-64 CPU:
+
+=====================  ===========================  ===================================
+library                variable                     value
+=====================  ===========================  ===================================
+OpenBLAS               ``OPENBLAS_CORETYPE``         ``Haswell`` (AVX2 and FMA)
+torch's vector code    ``ATEN_CPU_CAPABILITY``       ``avx2``
+oneDNN                 ``ONEDNN_MAX_CPU_ISA``        ``AVX2``
+MKL                    ``MKL_CBWR``                  ``COMPATIBLE``: the one branch MKL
+                                                     keeps the same on Intel and AMD
+threads                ``OMP_NUM_THREADS``, ...      :data:`THREADS`
+=====================  ===========================  ===================================
+
+AVX2 is on every x86-64 server CPU since 2013. ``VSE_CPU_THREADS`` sets another thread
+count (faster on a large machine; floats then differ in their last bits from a run with
+another count), and ``VSE_CPU_KERNELS=native`` leaves every choice to the machine (the
+fastest; outputs then agree with another machine's only within a tolerance, which
+``vse store compare`` measures). CUDA kernels are not affected.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import MutableMapping
+
+from infra.config import UserError
+
+THREADS = 2  # the demo machine's cores
+THREADS_VARIABLE = "VSE_CPU_THREADS"
+KERNELS_VARIABLE = "VSE_CPU_KERNELS"  # "pinned" (the default) or "native"
+
+X86_KERNELS = {
+    "OPENBLAS_CORETYPE": "Haswell",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
+}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def pin(environ: MutableMapping[str, str] | None = None, machine: str | None = None) -> None:
+    """Set the kernel and thread variables above in ``environ`` (default: this process's
+    environment, before numpy or torch loads: the libraries read them once, when they
+    load). A torch already loaded gets the thread count at least."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(KERNELS_VARIABLE, "pinned").strip().lower() or "pinned"
+    if mode not in ("pinned", "native"):
+        raise UserError(f"{KERNELS_VARIABLE}={mode!r}: give 'pinned' (the default) or 'native'")
+    if mode == "native":
+        return
+    threads = environ.get(THREADS_VARIABLE, "").strip() or str(THREADS)
+    if not threads.isdigit() or int(threads) < 1:
+        raise UserError(f"{THREADS_VARIABLE}={threads!r}: give a whole number of threads, >= 1")
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        environ.update(X86_KERNELS)
+    environ.update(dict.fromkeys(THREAD_VARIABLES, threads))
+    if environ is os.environ and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))

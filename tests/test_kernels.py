@@ -1,0 +1,136 @@
+"""Same outputs on another machine: ``vse`` pins numpy's and torch's CPU kernels and
+thread counts (:mod:`infra.kernels`), so the stages whose outputs go through
+floating-point kernels, rerun by force in a copy of the reproduced demo under the kernel
+choices another machine would make, leave dvc.lock unchanged (byte-identical outputs)."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import copy_tree, run
+
+from infra import kernels
+from infra.config import UserError
+
+# detector (a trained Faster R-CNN: convolutions, matrix products), regions (its forward
+# pass into float16), text (BERT into float16), global (a PCA: an eigendecomposition),
+# sbert_stats (Sentence-BERT similarities into metrics and plots), graph_rise (a kNN
+# graph, a trained head, precisions), train@huse (trained on graph_rise's store, with
+# Sentence-BERT class distances), train@mvvse (GPO pooling, a GRU)
+STAGES = [
+    "detector",
+    "regions",
+    "text",
+    "global",
+    "sbert_stats",
+    "graph_rise",
+    "train@huse",
+    "train@mvvse",
+]
+
+# What another x86-64 machine picks by itself, where this one picks AVX-512 kernels and
+# two threads: OpenBLAS's kernels for an older CPU (Prescott: SSE3 only), oneDNN without
+# AVX-512, MKL's AVX2 branch, torch's default vector kernels, one thread.
+ANOTHER_MACHINE = {
+    "OPENBLAS_CORETYPE": "Prescott",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "MKL_CBWR": "AVX2",
+    "ATEN_CPU_CAPABILITY": "default",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 kernel names")
+
+
+def output_hashes(project) -> dict[str, str]:
+    """``stage: path`` -> md5 of every output in the project's dvc.lock."""
+    stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    return {
+        f"{stage}: {out['path']}": out["md5"]
+        for stage, entry in stages.items()
+        for out in entry.get("outs", [])
+    }
+
+
+@x86_only
+def test_stages_give_the_same_bytes_under_another_machines_kernels(
+    reproduced, tmp_path, monkeypatch
+):
+    built, _ = reproduced
+    before = output_hashes(built)
+    project = copy_tree(built, tmp_path / "project")
+    for name, value in ANOTHER_MACHINE.items():
+        monkeypatch.setenv(name, value)
+    forced = run(["dvc", "repro", "--force", "--single-item", *STAGES], project)
+    assert all(f"Running stage '{stage}'" in forced.stdout for stage in STAGES)
+    after = output_hashes(project)
+    assert set(after) == set(before)
+    changed = sorted(k for k in before if after[k] != before[k])
+    assert not changed, f"these outputs changed under another machine's kernels: {changed}"
+
+
+@x86_only
+def test_a_vse_process_runs_the_pinned_kernels_whatever_the_machine_asks():
+    """In the process ``vse`` runs a command in, torch reports AVX2 kernels and two
+    threads, and OpenBLAS its Haswell kernels, though the environment asked for others."""
+    probe = (
+        "from infra import kernels; kernels.pin(); "
+        "import numpy, torch, threadpoolctl; "
+        "blas = [i for i in threadpoolctl.threadpool_info() if i['internal_api'] == 'openblas']; "
+        "print(torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), "
+        "blas[0]['architecture'], blas[0]['num_threads'])"
+    )
+    env = {**os.environ, **ANOTHER_MACHINE, "ATEN_CPU_CAPABILITY": "avx512"}
+    env.pop(kernels.THREADS_VARIABLE, None)
+    env.pop(kernels.KERNELS_VARIABLE, None)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["AVX2", "2", "Haswell", "2"]
+
+
+def test_pin_sets_each_library_and_the_thread_count():
+    env = {"OPENBLAS_CORETYPE": "Prescott", "OMP_NUM_THREADS": "16"}
+    kernels.pin(env, machine="x86_64")
+    assert env == {
+        **kernels.X86_KERNELS,
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "OPENBLAS_NUM_THREADS": "2",
+    }
+
+
+def test_pin_takes_another_thread_count_and_leaves_other_cpus_kernels():
+    env = {kernels.THREADS_VARIABLE: "8"}
+    kernels.pin(env, machine="aarch64")
+    assert env == {
+        kernels.THREADS_VARIABLE: "8",
+        "OMP_NUM_THREADS": "8",
+        "MKL_NUM_THREADS": "8",
+        "OPENBLAS_NUM_THREADS": "8",
+    }
+
+
+def test_native_leaves_every_choice_to_the_machine():
+    env = {kernels.KERNELS_VARIABLE: "native", "OMP_NUM_THREADS": "16"}
+    kernels.pin(env, machine="x86_64")
+    assert env == {kernels.KERNELS_VARIABLE: "native", "OMP_NUM_THREADS": "16"}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (kernels.THREADS_VARIABLE, "0"),
+        (kernels.THREADS_VARIABLE, "two"),
+        (kernels.KERNELS_VARIABLE, "fast"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_the_variable(name, value):
+    with pytest.raises(UserError, match=f"^{name}='{value}': give ") as err:
+        kernels.pin({name: value}, machine="x86_64")
+    assert "\n" not in str(err.value)
