@@ -142,13 +142,15 @@ class Detectron2Butd(nn.Module):
         self.spec = ButdSpec(num_classes=predictor.cls_score.out_features, num_attrs=attrs)
         self.architecture = Path(cfg.detectron2_config or "model").stem
 
-    def forward(self, images, sizes, rois=None):
+    def forward(self, images: list[torch.Tensor], rois=None):
+        """As detectron2 runs a batch: the images zero-padded to one size."""
         from detectron2.structures import Boxes, ImageList
 
         d2 = self.model
-        features = d2.backbone(images)
+        batch = ImageList.from_tensors(images)
+        features = d2.backbone(batch.tensor)
         if rois is None:
-            proposals, _ = d2.proposal_generator(ImageList(images, sizes), features, None)
+            proposals, _ = d2.proposal_generator(batch, features, None)
             boxes = [p.proposal_boxes for p in proposals]
         else:
             boxes = [Boxes(r) for r in rois]

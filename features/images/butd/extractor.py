@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from features.detector.inputs import batch_images
 from features.images.butd.model import ButdModel
 from features.images.config import RegionsConfig
 from features.images.extractor import zeros
@@ -89,13 +88,11 @@ class ButdRegionExtractor(RegionExtractor):
         ``boxes`` (R, 4) in original-image pixels, ``objects_id``/``objects_conf`` (R,)
         object id and confidence, ``attrs_id``/``attrs_conf`` (R,) where the model has an
         attribute head; the records of :meth:`__call__` are these, packed."""
-        batch = batch_images([it["image"] for it in items], divisible=1)  # as detectron2 C4
         given = None
         if self.given:
             given = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
-        rois, feats, probs, attrs = self.model(
-            batch.tensors.to(self.device), batch.image_sizes, given
-        )
+        images = [it["image"].to(self.device) for it in items]
+        rois, feats, probs, attrs = self.model(images, given)
         feats, probs = feats.float().cpu(), probs.cpu()
         attrs = None if attrs is None else attrs.cpu()
         outputs, start = [], 0

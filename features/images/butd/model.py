@@ -213,10 +213,14 @@ class RoiHeads(nn.Module):
         self.res5 = stage(16 * w, 8 * w, spec.blocks[3], 1, dilation=2)
         self.box_predictor = Predictor(spec)
 
-    def pooled(self, res4: torch.Tensor, rois: list[torch.Tensor]) -> torch.Tensor:
-        """(B, 16w, h, w) map, per-image (P_i, 4) boxes in input pixels -> (P, D)."""
-        cells = roi_pool(res4, [r.to(res4.dtype) for r in rois], (14, 14), 1.0 / STRIDE)
-        return self.res5(cells).mean(dim=(2, 3))
+    def pooled(self, maps: list[torch.Tensor], rois: list[torch.Tensor]) -> torch.Tensor:
+        """Per-image (1, 16w, h_i, w_i) res4 maps and (P_i, 4) boxes in input pixels ->
+        (P, D): each image's cells pooled from its own map, res5 over all of them at once."""
+        cells = [
+            roi_pool(m, [r.to(m.dtype)], (14, 14), 1.0 / STRIDE)
+            for m, r in zip(maps, rois, strict=True)
+        ]
+        return self.res5(torch.cat(cells)).mean(dim=(2, 3))
 
 
 class ButdModel(nn.Module):
@@ -244,43 +248,45 @@ class ButdModel(nn.Module):
                 module.fold()
         return self
 
-    def proposals(
-        self, res4: torch.Tensor, sizes: list[tuple[int, int]], given=None
-    ) -> list[torch.Tensor]:
-        """RPN proposals per image (Ren et al. 2015, Sec. 3.1.2 test time): score every
-        anchor, keep the top ``pre_nms``, decode, clip to the image, drop empty boxes, NMS
-        at 0.7, keep ``post_nms``. Returns per-image (P_i, 4) boxes."""
-        logits, deltas = self.rpn_head(res4)  # (B, A or 2A, h, w), (B, 4A, h, w)
-        b, _, h, w = res4.shape
+    def proposals(self, res4: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """RPN proposals of one image (Ren et al. 2015, Sec. 3.1.2 test time) from its
+        (1, 16w, h, w) res4 map and its (height, width): score every anchor, keep the top
+        ``pre_nms``, decode, clip to the image, drop empty boxes, NMS at 0.7, keep
+        ``post_nms``. Returns (P, 4) boxes."""
+        logits, deltas = self.rpn_head(res4)  # (1, A or 2A, h, w), (1, 4A, h, w)
+        _, _, h, w = res4.shape
         anchors = grid_anchors(h, w, res4.device)  # (h w A, 4)
         if self.spec.layout == "detectron2":
-            scores = logits.permute(0, 2, 3, 1).reshape(b, -1)  # (B, h w A) logits
+            scores = logits[0].permute(1, 2, 0).reshape(-1)  # (h w A) logits
         else:  # softmax over (background, object) per anchor: its object probability
-            pairs = logits.view(b, 12, 2, h, w).permute(0, 3, 4, 1, 2).reshape(b, -1, 2)
-            scores = pairs.softmax(dim=-1)[..., 1]
-        deltas = deltas.view(b, 12, 4, h, w).permute(0, 3, 4, 1, 2).reshape(b, -1, 4)
-        out = []
-        for i, (ih, iw) in enumerate(sizes):
-            top, idx = scores[i].float().topk(min(self.pre_nms, scores.shape[1]))
-            boxes = apply_deltas(deltas[i, idx].float(), anchors[idx])
-            finite = torch.isfinite(boxes).all(dim=1) & torch.isfinite(top)
-            boxes, top = boxes[finite], top[finite]
-            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, iw)
-            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, ih)
-            wide = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
-            boxes, top = boxes[wide], top[wide]
-            keep = batched_nms(boxes, top, torch.zeros_like(top, dtype=torch.long), 0.7)
-            out.append(boxes[keep[: self.post_nms]])
-        return out
+            pairs = logits[0].view(12, 2, h, w).permute(2, 3, 0, 1).reshape(-1, 2)
+            scores = pairs.softmax(dim=-1)[:, 1]
+        deltas = deltas[0].view(12, 4, h, w).permute(2, 3, 0, 1).reshape(-1, 4)
+        top, idx = scores.float().topk(min(self.pre_nms, len(scores)))
+        boxes = apply_deltas(deltas[idx].float(), anchors[idx])
+        finite = torch.isfinite(boxes).all(dim=1) & torch.isfinite(top)
+        boxes, top = boxes[finite], top[finite]
+        ih, iw = size
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, iw)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, ih)
+        wide = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        boxes, top = boxes[wide], top[wide]
+        keep = batched_nms(boxes, top, torch.zeros_like(top, dtype=torch.long), 0.7)
+        return boxes[keep[: self.post_nms]]
 
-    def forward(self, images: torch.Tensor, sizes: list[tuple[int, int]], rois=None):
-        """(B, 3, H, W) BGR minus means, zero-padded; the (h, w) of each image before
-        padding; optional given per-image boxes. Returns (rois, features (P, D), class
-        probs (P, C) with background first, attribute probs (P, A - 1) or None)."""
-        res4 = self.backbone(images)  # (B, 16w, H/16, W/16)
+    def forward(self, images: list[torch.Tensor], rois=None):
+        """(3, H_i, W_i) images, BGR minus means, each at its own size; optional given
+        per-image boxes. Returns (per-image rois, features (P, D), class probs (P, C) with
+        background first, attribute probs (P, A - 1) or None), P over all images.
+
+        Several images per call without changing any image's regions: the trunk and the
+        RPN run on each image alone (no padding reaches an anchor or a RoI, as when it is
+        extracted by itself), the RoI heads (res5 over 14x14 cells per region, most of the
+        cost) on the regions of all images at once."""
+        maps = [self.backbone(image[None]) for image in images]  # (1, 16w, H_i/16, W_i/16)
         if rois is None:
-            rois = self.proposals(res4, sizes)
-        feats = self.roi_heads.pooled(res4, rois)  # (P, D)
+            rois = [self.proposals(m, im.shape[-2:]) for m, im in zip(maps, images, strict=True)]
+        feats = self.roi_heads.pooled(maps, rois)  # (P, D)
         logits, attr_logits = self.roi_heads.box_predictor(feats)
         probs = logits.float().softmax(dim=1)  # (P, C)
         attrs = None
