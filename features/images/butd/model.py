@@ -215,9 +215,11 @@ class RoiHeads(nn.Module):
 
     def pooled(self, maps: list[torch.Tensor], rois: list[torch.Tensor]) -> torch.Tensor:
         """Per-image (1, 16w, h_i, w_i) res4 maps and (P_i, 4) boxes in input pixels ->
-        (P, D): each image's cells pooled from its own map, res5 over all of them at once."""
+        (P, D): each image's cells pooled from its own map, res5 over all of them at once.
+        The pooling runs in float32 (a maximum: exact in any dtype; torchvision's CPU kernel
+        has no bf16), res5 then in the autocast dtype, if any."""
         cells = [
-            roi_pool(m, [r.to(m.dtype)], (14, 14), 1.0 / STRIDE)
+            roi_pool(m.float(), [r.float()], (14, 14), 1.0 / STRIDE)
             for m, r in zip(maps, rois, strict=True)
         ]
         return self.res5(torch.cat(cells)).mean(dim=(2, 3))
