@@ -18,12 +18,17 @@ and threads, one image at a time; the best of `--repeats` per image, averaged ov
 images. Target >= 1.0x (detectron2's time / the native time). Needs detectron2 on the
 path for the comparison (otherwise the native time alone).
 
+BUTD batches: the native model at batch 1, 4 and 8 on eight images of seven sizes (each
+image gets its own regions at any batch: the trunk runs per image, the RoI heads over the
+batch); seconds per image, target: batch 4 at least as fast per image as batch 1.
+
 Selection (issue 13): `butd_select` against generate_tsv.py's loop (one torchvision `nms`
 per class) on 300 proposals x 1601 classes, with peaked (detector-like) and flat softmax
 scores; the same inputs, in the same run; target >= 10x.
 
     python benchmarks/extract.py [--n 192] [--size 128] [--workers 1] [--detector CKPT]
     python benchmarks/extract.py --only butd [--threads 2] [--butd-images 3] [--repeats 2]
+    python benchmarks/extract.py --only butd-batch [--threads 2] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -128,7 +133,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="demo image size (px)")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
     parser.add_argument("--detector", help="vse-detector checkpoint (default: random init)")
-    parser.add_argument("--only", choices=["stages", "selection", "butd"], help="one part")
+    parser.add_argument(
+        "--only", choices=["stages", "selection", "butd", "butd-batch"], help="one part"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--butd-images", type=int, default=3, help="test photos")
     parser.add_argument("--butd-width", type=int, default=64, help="64: the real model")
@@ -140,6 +147,8 @@ def main() -> None:
         selection_rows()
     if args.only in (None, "butd"):
         butd_rows(args)
+    if args.only in (None, "butd-batch"):
+        butd_batch_rows(args)
 
 
 def butd_rows(args: argparse.Namespace) -> None:
@@ -191,6 +200,56 @@ def butd_rows(args: argparse.Namespace) -> None:
     if "detectron2" in seconds:
         ratio = seconds["detectron2"] / seconds["native"]
         print(f"  native speed vs detectron2: {ratio:.2f}x (target >= 1.0x)")
+
+
+def butd_batch_rows(args: argparse.Namespace) -> None:
+    """Native BUTD at batch 1, 4 and 8: seconds per image (forward + selection) on eight
+    images of seven sizes, 600/1000 px, 300 proposals; the batch sizes alternate per
+    repeat, the best of ``--repeats`` counts. Target: batch 4 at least as fast per image
+    as batch 1. Writes ``benchmarks/results/butd_batch.json``."""
+    import json
+
+    from features.images.extract import build_image_extractor
+
+    here = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(here / "tests"))
+    from butd_data import butd_state, photo_set
+
+    torch.set_num_threads(args.threads)
+    w = args.butd_width
+    root = Path(tempfile.mkdtemp(prefix="vse-butd-batch-"))
+    state = butd_state(blocks=(3, 4, 23, 3), width=w, hidden=8 * w, classes=1601, attrs=401)
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, root / "butd.pth")
+    del state
+    extractor = build_image_extractor(
+        "regions", RegionsConfig(weights=str(root / "butd.pth"), device="cpu")
+    )
+    items = [extractor.prepare(image, {}) for image in photo_set(8)]
+    extractor.regions(items[:1])  # warm-up
+    best = {b: float("inf") for b in (1, 4, 8)}
+    for _ in range(args.repeats):
+        for b in best:
+            tick = time.perf_counter()
+            for lo in range(0, len(items), b):
+                extractor.regions(items[lo : lo + b])
+            best[b] = min(best[b], (time.perf_counter() - tick) / len(items))
+            print(f"  batch {b}: {best[b]:.2f} s/image", flush=True)
+    shutil.rmtree(root)
+    result = {
+        "model": f"BUTD R101 width {w}, 300 proposals, 600/1000 px",
+        "images": len(items),
+        "threads": args.threads,
+        "device": "cpu",
+        "seconds_per_image": {str(b): s for b, s in best.items()},
+        "batch4_over_batch1": best[1] / best[4],
+        "batch8_over_batch1": best[1] / best[8],
+    }
+    out = here / "benchmarks" / "results" / "butd_batch.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"BUTD batch 4: {result['batch4_over_batch1']:.2f}x batch 1's images/s, batch 8: "
+        f"{result['batch8_over_batch1']:.2f}x (target >= 1.0x); wrote {out}"
+    )
 
 
 def _butd_yaml(width: int) -> str:

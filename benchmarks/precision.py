@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torchvision.ops import box_iou
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tools")]
 
-from make_butd_golden import GOLDEN_PARAMS, PHOTOS, peaked_checkpoint  # noqa: E402
+from butd_data import photo_set  # noqa: E402
+from make_butd_golden import GOLDEN_PARAMS, peaked_checkpoint  # noqa: E402
 
 from features.images.config import GridConfig, RegionsConfig  # noqa: E402
 from features.images.extract import build_image_extractor  # noqa: E402
@@ -156,24 +156,13 @@ def grid_rows(images) -> dict:
     return row
 
 
-def photos(n: int) -> list[Image.Image]:
-    """The CC BY test photos, then crops of them (other sizes) up to ``n``."""
-    base = [Image.open(p).convert("RGB") for p in PHOTOS]
-    out = base[:n]
-    while len(out) < n:
-        image = base[len(out) % len(base)]
-        w, h = image.size
-        out.append(image.crop((w // 8, h // 6, w, h)))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--photos", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/precision.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    images = photos(args.photos)
+    images = photo_set(args.photos)
     result = {
         "device": "cpu",
         "torch": torch.__version__,

@@ -170,3 +170,24 @@ def write_pkl(state: dict[str, np.ndarray], path: Path, numpy1: bool = True) -> 
         data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
     path.write_bytes(data)
     return path
+
+
+PHOTOS = sorted((Path(__file__).parent / "fixtures" / "photos").glob("*.jpg"))  # CC BY
+CROPS = [(0.0, 0.0, 0.6, 1.0), (0.2, 0.1, 1.0, 0.7), (0.1, 0.3, 0.9, 1.0)]  # fractions
+
+
+def photo_set(n: int) -> list:
+    """``n`` RGB images: the CC BY test photos, then crops of them (:data:`CROPS`, other
+    sizes and aspect ratios) up to ``n``. Eight are of seven sizes (two photos are 640 x
+    480)."""
+    from PIL import Image
+
+    base = [Image.open(p).convert("RGB") for p in PHOTOS]
+    out = base[:n]
+    while len(out) < n:
+        k = len(out) - len(base)
+        image = base[k % len(base)]
+        left, top, right, bottom = CROPS[k % len(CROPS)]
+        w, h = image.size
+        out.append(image.crop((int(left * w), int(top * h), int(right * w), int(bottom * h))))
+    return out

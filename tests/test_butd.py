@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from butd_data import butd_state, to_milvlg, write_pkl
+from butd_data import butd_state, photo_set, to_milvlg, write_pkl
 from make_butd_golden import (
     CHECKPOINTS,
     CONFIG,
@@ -296,21 +296,6 @@ def test_native_equals_detectron2_on_five_photos(checkpoints, name):
         assert_same_regions(a, b, f"{name} {p.name}")
 
 
-def photos_of_eight_sizes() -> list[Image.Image]:
-    """The five photos and three crops of them: eight images of seven sizes (two photos
-    are 640 x 480), so that a batch of them is padded where batching pads."""
-    images = [photo(i) for i in range(5)]
-    for i, (left, top, right, bottom) in enumerate(
-        [(0.0, 0.0, 0.6, 1.0), (0.2, 0.1, 1.0, 0.7), (0.1, 0.3, 0.9, 1.0)]
-    ):
-        w, h = images[i].size
-        images.append(
-            images[i].crop((int(left * w), int(top * h), int(right * w), int(bottom * h)))
-        )
-    assert len({im.size for im in images}) == 7
-    return images
-
-
 @pytest.mark.parametrize("batch", [4, 8])
 def test_a_batch_gives_each_photo_the_regions_it_gets_alone(checkpoints, batch):
     """Several photos of different sizes per forward pass: each photo's boxes (IoU >= 0.99
@@ -318,7 +303,9 @@ def test_a_batch_gives_each_photo_the_regions_it_gets_alone(checkpoints, batch):
     by itself (:func:`assert_same_regions`)."""
     cfg = RegionsConfig(weights=checkpoints["peaked"], device="cpu", **GOLDEN_PARAMS)
     ext = build_image_extractor("regions", cfg)
-    items = [ext.prepare(image, {}) for image in photos_of_eight_sizes()]
+    images = photo_set(8)
+    assert len({image.size for image in images}) == 7  # padded where batching pads
+    items = [ext.prepare(image, {}) for image in images]
     alone = [ext.regions([item])[0] for item in items]
     batched = [r for lo in range(0, 8, batch) for r in ext.regions(items[lo : lo + batch])]
     for i, (a, b) in enumerate(zip(batched, alone, strict=True)):
