@@ -59,6 +59,9 @@ from features.ingest.readers import READERS, PrepareConfig
 from features.ingest.validate import validate
 from features.store.spec import StoreConfig
 
+REPO = Path(__file__).resolve().parent.parent
+PHOTOS = REPO / "tests" / "fixtures" / "photos"  # CC BY COCO photos (ATTRIBUTION.md there)
+
 
 def bare_forward(extractor, items: list[dict], batch_size: int) -> float:
     """images/s of the extractor alone on prepared items (best of 2 passes)."""
@@ -151,24 +154,29 @@ def main() -> None:
         butd_batch_rows(args)
 
 
+def butd_checkpoint(root: Path, width: int = 64) -> Path:
+    """``root/butd.pth``: random values in py-bottom-up-attention's layout at the published
+    shapes (ResNet-101, 1601 classes, 401 attributes; ``width`` 64 is the real network)."""
+    sys.path.insert(0, str(REPO / "tests"))  # the test suite's BUTD checkpoint builder
+    from butd_data import butd_state
+
+    w = width
+    state = butd_state(blocks=(3, 4, 23, 3), width=w, hidden=8 * w, classes=1601, attrs=401)
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, root / "butd.pth")
+    return root / "butd.pth"
+
+
 def butd_rows(args: argparse.Namespace) -> None:
     """Native BUTD vs detectron2: seconds per image, forward + selection."""
     from PIL import Image
 
     from features.images.extract import build_image_extractor
 
-    here = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(here / "tests"))  # the test suite's BUTD checkpoint builder
-    from butd_data import butd_state
-
     torch.set_num_threads(args.threads)
-    photos = sorted((here / "tests" / "fixtures" / "photos").glob("*.jpg"))[: args.butd_images]
+    photos = sorted(PHOTOS.glob("*.jpg"))[: args.butd_images]
     w = args.butd_width
     root = Path(tempfile.mkdtemp(prefix="vse-butd-bench-"))
-    state = butd_state(blocks=(3, 4, 23, 3), width=w, hidden=8 * w, classes=1601, attrs=401)
-    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, root / "butd.pth")
-    del state
-    base = {"weights": str(root / "butd.pth"), "device": "cpu"}
+    base = {"weights": str(butd_checkpoint(root, w)), "device": "cpu"}
     routes = {"native": RegionsConfig(**base)}
     try:
         import detectron2  # noqa: F401

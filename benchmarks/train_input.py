@@ -61,8 +61,9 @@ R, D, TOKEN_DIM, CAPTIONS, VOCAB = 36, 2048, 768, 5, 10000
 # --------------------------------------------------------------------------- data
 
 
-def generate(root: Path, n: int, log=print) -> FeaturePaths:
-    """The synthetic split in every layout (see the module docstring)."""
+def generate(root: Path, n: int, log=print, baselines: bool = True) -> FeaturePaths:
+    """The synthetic split in every layout (see the module docstring); ``baselines``
+    False: the feature stores alone (no precomp files, no WebDataset shards)."""
     rng = np.random.default_rng(0)
     keys = [f"img{i:06d}" for i in range(n)]
     records = [
@@ -72,7 +73,9 @@ def generate(root: Path, n: int, log=print) -> FeaturePaths:
     manifest = read_manifest(root / "manifest.parquet")
     provenance = Provenance("bench", "1", {}, None, manifest.digest)
     layout = StoreConfig()
-    ims = np.lib.format.open_memmap(root / "train_ims.npy", "w+", np.float16, (n, R, D))
+    ims = tokens = None  # the precomp layout's arrays (with the baselines)
+    if baselines:
+        ims = np.lib.format.open_memmap(root / "train_ims.npy", "w+", np.float16, (n, R, D))
     start = time.perf_counter()
     with StoreWriter(
         root / "regions.zarr",
@@ -86,7 +89,8 @@ def generate(root: Path, n: int, log=print) -> FeaturePaths:
         for shard in writer.pending_shards():
             a, b = writer.shard_range(shard)
             block = rng.standard_normal((b - a, R, D), dtype=np.float32).astype(np.float16)
-            ims[a:b] = block
+            if ims is not None:
+                ims[a:b] = block
             corners = np.sort(rng.uniform(0, 600, (b - a, R, 2, 2)), axis=2)
             writer.write_shard(
                 shard,
@@ -97,15 +101,17 @@ def generate(root: Path, n: int, log=print) -> FeaturePaths:
                     "image_hw": np.tile([480, 640], (b - a, 1)),
                 },
             )
-    ims.flush()
+    if ims is not None:
+        ims.flush()
     del ims
     m = n * CAPTIONS
     lengths = rng.integers(10, 20, m)  # words; + <start>, <end>
     words = [rng.integers(4, VOCAB, k + 2).astype(np.int32) for k in lengths]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.lib.format.open_memmap(
-        root / "train_tokens.npy", "w+", np.float16, (int(offsets[-1]), TOKEN_DIM)
-    )
+    if baselines:
+        tokens = np.lib.format.open_memmap(
+            root / "train_tokens.npy", "w+", np.float16, (int(offsets[-1]), TOKEN_DIM)
+        )
     caption_keys = [f"{k}#{j}" for k in keys for j in range(CAPTIONS)]
     fields = {
         "word_ids": FieldSpec((), "int32", ragged=True),
@@ -118,7 +124,8 @@ def generate(root: Path, n: int, log=print) -> FeaturePaths:
             a, b = writer.shard_range(shard)
             flat = rng.standard_normal((offsets[b] - offsets[a], TOKEN_DIM), dtype=np.float32)
             flat = flat.astype(np.float16)
-            tokens[offsets[a] : offsets[b]] = flat
+            if tokens is not None:
+                tokens[offsets[a] : offsets[b]] = flat
             cuts = offsets[a : b + 1] - offsets[a]
             writer.write_shard(
                 shard,
@@ -127,18 +134,20 @@ def generate(root: Path, n: int, log=print) -> FeaturePaths:
                     "features": [flat[x:y] for x, y in zip(cuts[:-1], cuts[1:], strict=True)],
                 },
             )
-    tokens.flush()
+    if tokens is not None:
+        tokens.flush()
     del tokens
-    np.save(root / "train_token_offsets.npy", offsets)
-    np.save(root / "train_word_offsets.npy", np.concatenate([[0], np.cumsum(lengths + 2)]))
-    np.save(root / "train_words.npy", np.concatenate(words))
     vocab = {"words": ["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]}
     log(f"generated {n} images, {m} captions in {time.perf_counter() - start:.0f} s")
-    start = time.perf_counter()
-    stores = {"regions": Store.open(root / "regions.zarr")}
-    text = Store.open(root / "text.zarr")
-    build_shards(manifest, stores, root / "shards", ShardsConfig(), text=text)
-    log(f"built the WebDataset shards in {time.perf_counter() - start:.0f} s")
+    if baselines:
+        np.save(root / "train_token_offsets.npy", offsets)
+        np.save(root / "train_word_offsets.npy", np.concatenate([[0], np.cumsum(lengths + 2)]))
+        np.save(root / "train_words.npy", np.concatenate(words))
+        start = time.perf_counter()
+        stores = {"regions": Store.open(root / "regions.zarr")}
+        text = Store.open(root / "text.zarr")
+        build_shards(manifest, stores, root / "shards", ShardsConfig(), text=text)
+        log(f"built the WebDataset shards in {time.perf_counter() - start:.0f} s")
     (root / "vocab.json").write_text(json.dumps({**vocab, "tfidf_terms": []}))  # last: done
     return FeaturePaths(
         manifest=root / "manifest.parquet",
