@@ -219,19 +219,13 @@ def butd_batch_rows(args: argparse.Namespace) -> None:
 
     from features.images.extract import build_image_extractor
 
-    here = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(here / "tests"))
-    from butd_data import butd_state, photo_set
-
     torch.set_num_threads(args.threads)
     w = args.butd_width
     root = Path(tempfile.mkdtemp(prefix="vse-butd-batch-"))
-    state = butd_state(blocks=(3, 4, 23, 3), width=w, hidden=8 * w, classes=1601, attrs=401)
-    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, root / "butd.pth")
-    del state
-    extractor = build_image_extractor(
-        "regions", RegionsConfig(weights=str(root / "butd.pth"), device="cpu")
-    )
+    weights = butd_checkpoint(root, w)
+    from butd_data import photo_set  # on the path since butd_checkpoint
+
+    extractor = build_image_extractor("regions", RegionsConfig(weights=str(weights), device="cpu"))
     items = [extractor.prepare(image, {}) for image in photo_set(8)]
     extractor.regions(items[:1])  # warm-up
     best = {b: float("inf") for b in (1, 4, 8)}
@@ -252,7 +246,7 @@ def butd_batch_rows(args: argparse.Namespace) -> None:
         "batch4_over_batch1": best[1] / best[4],
         "batch8_over_batch1": best[1] / best[8],
     }
-    out = here / "benchmarks" / "results" / "butd_batch.json"
+    out = REPO / "benchmarks" / "results" / "butd_batch.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"BUTD batch 4: {result['batch4_over_batch1']:.2f}x batch 1's images/s, batch 8: "
