@@ -13,16 +13,16 @@ install: $(VENV)/.installed        # what the demo needs
 
 install-dev: $(VENV)/.installed-dev  # and every extra, with the test tools
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "error: Python >= 3.11 is needed; run e.g. 'make PYTHON=python3.11 $(MAKECMDGOALS)'"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e .
+	$(BIN)/python -m pip install -c constraints.txt -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
 	touch $@
 
 demo: install
@@ -38,5 +38,5 @@ docs: install-dev  # the documentation site into build/site (tests/test_docs.py 
 	mkdocs build --strict
 
 mutation: install-dev  # slow (about an hour on 2 cores), not in CI: tools/mutation.py
-	$(BIN)/python -m pip install -e '.[dev,mutation]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev,mutation]'
 	$(BIN)/python tools/mutation.py
