@@ -72,9 +72,13 @@ def read_npz(path: Path) -> dict:
     """One MILVLG ``.npz`` as a row (``features``, ``boxes``, ``image_hw`` and the
     labels ``info`` has), or :class:`MalformedRow` naming the file and what is wrong."""
     try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+        if head == b"\x93NUMPY":
+            raise MalformedRow(f"{path}: a .npy array, not an .npz archive")
+        if not head.startswith(b"PK"):  # np.load would try it as a pickle
+            raise MalformedRow(f"{path}: not an .npz archive (a zip file): it starts {head!r}")
         with np.load(path, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile):
-                raise MalformedRow(f"{path}: a .npy array, not an .npz archive")
             absent = [name for name in NPZ_ARRAYS if name not in z.files]
             if absent:
                 raise MalformedRow(
