@@ -107,6 +107,51 @@ def test_files_that_are_not_checkpoints_are_one_line_errors(tmp_path, data, repo
     assert not (tmp_path / "o.json").exists()
 
 
+def test_each_checkpoint_failure_says_what_the_file_is_and_what_to_do(tmp_path, data):
+    """The exact lines: what is wrong with the file, the error torch or pydantic gave where
+    there is one, then the same hint."""
+    from models.train import TrainingError, load_checkpoint
+
+    hint = "; give best.pt or last.pt as `vse train` writes them (dvc repro train@MODEL)"
+    not_checkpoints(tmp_path, data)
+
+    def message(name: str) -> str:
+        with pytest.raises(TrainingError) as err:
+            load_checkpoint(tmp_path / name)
+        return str(err.value)
+
+    assert message("none.pt") == (
+        f"{tmp_path / 'none.pt'}: no checkpoint; run `vse train` (dvc repro train@MODEL)"
+    )
+    assert message("missing.pt") == (
+        f"{tmp_path / 'missing.pt'}: not a checkpoint of this trainer (no config, info, "
+        f"state_dict){hint}"
+    )
+    assert (
+        message("unknown.pt")
+        == f"{tmp_path / 'unknown.pt'}: a checkpoint of unknown model 'nope'{hint}"
+    )
+    loads = "a vsepp checkpoint whose config or weights do not load"
+    for name, error in (("config.pt", "ValidationError"), ("weights.pt", "RuntimeError")):
+        text = message(name)
+        head = f"{tmp_path / name}: {loads} ({error}: "
+        assert text.startswith(head) and text.endswith(f"){hint}"), text
+        assert len(text) > len(head) + len(hint) + 20  # the error's own words are there
+    assert message("text.pt").endswith(hint)
+
+
+def test_a_checkpoint_loads_onto_the_device_asked_in_eval_mode(tmp_path, data):
+    from models.train import load_checkpoint
+
+    _, good = not_checkpoints(tmp_path, data)
+    torch.save(good, tmp_path / "good.pt")
+    model, info = load_checkpoint(tmp_path / "good.pt", device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"} and not model.training
+    assert (
+        info.to_dict() == good["info"] if hasattr(info, "to_dict") else vars(info) == good["info"]
+    )
+
+
 # ----------------------------------------------------------------------------- the numbers
 # Independent references: R@K written by hand on small known similarities, and naive
 # per-query loops on random ones.
