@@ -1,6 +1,7 @@
 """Feature store: layout, fingerprints, crash-safe resumable writes, readers, verify."""
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -357,6 +358,45 @@ def test_verify_names_a_damaged_commit_marker_of_an_incomplete_store(tmp_path):
     marker.write_bytes(marker.read_bytes()[:-3])
     problems = verify_store(root)
     assert any(p.startswith("_commits/c.0:") for p in problems), problems
+
+
+def half_written(target):
+    """A 16-sample store of two shards with shard 0 committed and shard 1 not: where a
+    killed run leaves it (the incomplete path)."""
+    keys = [f"img{i:04d}" for i in range(16)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+    with StoreWriter(target, "regions", job.fields_for("regions"), keys, job.PROVENANCE, cfg) as w:
+        w.write_shard(0, job.shard_data("regions", 0, 8))
+    return incomplete_path(target)
+
+
+def test_verify_of_an_incomplete_store_checks_the_committed_shards_files(tmp_path):
+    root = half_written(tmp_path / "s.zarr")
+    chunk = root / "features" / "c.0.0.0"
+    chunk.write_bytes(chunk.read_bytes()[::-1])
+    assert verify_store(str(root) + "/") == [
+        "shard 1: not committed (store incomplete)",
+        "features/c.0.0.0: corrupt (checksum mismatch)",
+    ]
+
+
+def test_verify_of_an_incomplete_store_names_each_damaged_marker_exactly(tmp_path):
+    root = half_written(tmp_path / "s.zarr")
+    zarr.open_array(root / "_commits", mode="r+")[0] = json.dumps({"shard": 0})
+    assert verify_store(root) == [
+        "_commits/c.0: corrupt (ValueError: no file checksums)",
+        "shard 1: not committed (store incomplete)",
+    ]
+    (root / "_commits" / "zarr.json").write_text("{")
+    assert verify_store(root) == ["_commits/zarr.json: corrupt or missing (JSONDecodeError)"]
+
+
+def test_verify_of_an_incomplete_store_with_damaged_metadata_reads_every_marker(tmp_path):
+    root = half_written(tmp_path / "s.zarr")
+    (root / "zarr.json").write_text('{"attributes": ')
+    problems = verify_store(root)
+    assert problems[0].startswith("zarr.json: corrupt (JSONDecodeError: ")
+    assert problems[1:] == ["shard 1: not committed (store incomplete)"]
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from features.store.integrity import verify_store
 from features.store.reader import Store
 from flows.cli import main
 
@@ -68,3 +69,18 @@ def test_verify_names_damaged_metadata_keys_and_markers_on_s3(s3, capsys):
     assert "Traceback" not in out + err
     assert main(["store", "info", url, "--storage-options", json.dumps(options)]) == 1
     assert capsys.readouterr().err.startswith(f"error: {url}: its metadata")
+
+
+def test_verify_of_an_incomplete_store_on_s3_reads_its_commit_markers(s3, tmp_path):
+    """A store a killed run left on S3: its commit markers are read with the storage
+    options (the URL given with a trailing slash, as shells complete it)."""
+    from test_store import half_written
+
+    fs, options, _ = s3
+    root = half_written(tmp_path / "s.zarr")
+    fs.put(str(root), "stores/half.zarr", recursive=True)
+    fs.pipe("stores/half.zarr/features/c.0.0.0", b"garbage")
+    assert verify_store("s3://stores/half.zarr/", options) == [
+        "shard 1: not committed (store incomplete)",
+        "features/c.0.0.0: corrupt (checksum mismatch)",
+    ]
