@@ -421,6 +421,27 @@ def test_fusion_weight_ties_go_to_the_weight_nearest_equal(text_1, best):
     assert fusion_weight(Classifying(img, txt, p), img, txt, val) == best
 
 
+def test_when_every_weight_ties_the_fusion_weighs_equally():
+    """Both images and both captions classified right alone: every weight of the grid
+    gives 100%, and the tie goes to equal weights."""
+    img, txt = unit([30, 150]), unit([200, 280])
+    val = Split(img, txt, [0, 1], labels=[0, 1])
+    p = [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0], [0.8, 0.2, 0.0], [0.2, 0.8, 0.0]]
+    assert fusion_weight(Classifying(img, txt, p), img, txt, val) == 0.5
+
+
+def test_evaluating_the_val_split_chooses_its_weight_on_itself():
+    """On the val split, the weight is chosen on the embeddings being evaluated (no second
+    pass over another split): P_VAL_IMAGE / P_VAL_TEXT give 0.3 and 100% fused."""
+    val_img, val_txt = unit(VAL_IMAGE_ANGLES), unit(VAL_CAPTION_ANGLES)
+    val = Split(val_img, val_txt, [0, 1], labels=[0, 1])
+    val.split = "val"
+    model = Classifying(val_img, val_txt, P_VAL_IMAGE + P_VAL_TEXT)
+    cfg = EvaluateConfig(batch_size=3, fold_size=2, device="cpu")
+    got = evaluate_model(model, val, cfg, torch.device("cpu"))["classification"]
+    assert got["fusion_weight_image"] == 0.3 and got["accuracy_fused"] == 100.0
+
+
 # naive references on random embeddings
 
 
