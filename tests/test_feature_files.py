@@ -10,10 +10,11 @@ import zipfile
 
 import numpy as np
 import pytest
-from test_precomp import CFG, tsv_line, tsv_manifest
+from test_precomp import CFG, make_precomp, tsv_line, tsv_manifest
 
 from features.exchange.butd_tsv import import_butd_tsv
 from features.exchange.milvlg_npz import import_npz
+from features.exchange.precomp import import_precomp
 from features.ingest.manifest import IngestError
 from features.store.reader import Store
 from features.store.spec import StoreError
@@ -201,8 +202,12 @@ def test_export_tsv_of_stores_without_labels_or_boxes(tmp_path):
     assert item["objects_id"].tolist() == [-1] * 3 and not item["attrs_conf"].any()
     np.testing.assert_allclose(item["features"], feats, atol=1e-3)
     precomp = Store.open(tmp_path / "x.zarr")  # made by tsv_manifest: no boxes
-    with pytest.raises(StoreError, match="has no boxes .* obj36 rows need them"):
+    with pytest.raises(StoreError) as err:
         export_obj36(precomp, manifest, tmp_path / "p.tsv")
+    assert str(err.value) == (
+        f"{precomp.url}: this regions store has no boxes (a precomp import?); obj36 rows "
+        "need them: import bottom-up-attention TSV or npz files, or extract regions"
+    )
     assert not (tmp_path / "p.tsv").exists()
 
 
@@ -293,3 +298,27 @@ def test_milvlg_npz_folder_imports_with_labels(tmp_path, repo_root):
         assert "info.npy" in z.namelist()
     with pytest.raises(IngestError, match="no .npz files; is this a MILVLG feature folder"):
         import_npz(tmp_path / "src", manifest, tmp_path / "s.zarr", CFG)
+
+
+def test_export_of_one_split_writes_its_images_only(tmp_path):
+    from features.exchange.butd_tsv import export_obj36
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in ("train", "test"):
+        make_precomp(src, split, 3, per_image=1, ids=False, regions=2, dim=2)
+    manifest = import_precomp(
+        src, ["train", "test"], tmp_path / "m.parquet", tmp_path / "x.zarr", CFG
+    )
+    keys = manifest.table["key"].to_pylist()
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    rng = np.random.default_rng(4)
+    for key in keys:
+        save_milvlg(folder, key, detections(rng, 4, h=50, w=60))
+    import_npz(folder, manifest, tmp_path / "r.zarr", CFG, log=lambda m: None)
+    store = Store.open(tmp_path / "r.zarr")
+    written, skipped = export_obj36(store, manifest, tmp_path / "t.tsv", split="test")
+    test_keys = manifest.split("test")["key"].to_pylist()
+    assert (written, skipped) == (3, []) and len(test_keys) == 3
+    assert sorted(lxmert_load_obj_tsv(tmp_path / "t.tsv")) == sorted(test_keys)
