@@ -782,3 +782,6 @@ def test_glove_files_are_read_as_utf8_whatever_the_locale(tmp_path):
         [sys.executable, "-c", code, str(path)], env=env, capture_output=True, check=True
     ).stdout.decode()
     assert out.split(" ", 1) == ["ANSI_X3.4-1968", "[[1.0, 2.0], [3.0, 4.0]]\n"]
+    # the same in this process (which also lets mutation testing see that this test reads
+    # GloVe files: it maps tests to the functions they call in-process)
+    assert load_glove(path, ["café", "naïve"]).tolist() == [[1.0, 2.0], [3.0, 4.0]]
