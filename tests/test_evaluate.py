@@ -310,8 +310,9 @@ def test_images_after_the_last_fold_are_counted_and_1k_folds_are_not_warned():
     out; folds of 1000 on 2000 images raise no warning."""
     cpu = torch.device("cpu")
     five = Split(torch.eye(5), torch.eye(5).repeat_interleave(2, dim=0), np.arange(10) // 2)
-    with pytest.warns(UserWarning, match="not the COCO 1K protocol"):
+    with pytest.warns(UserWarning, match="not the COCO 1K protocol") as record:
         report = evaluate_model(Embeddings(), five, EvaluateConfig(fold_size=2, device="cpu"), cpu)
+    assert record[0].filename == __file__  # the warning names the line that evaluated
     assert report["folds"]["left_out"] == 1 and report["folds"]["captions"] == 8
     img = torch.eye(2000)[:, :64] + torch.eye(2000)[:, 64:128]  # any 2000 vectors
     coco = Split(img, img.repeat_interleave(2, dim=0), np.arange(4000) // 2)
