@@ -369,6 +369,8 @@ def test_classification_by_hand():
     )
     cfg = EvaluateConfig(batch_size=3, fold_size=4, device="cpu")
     got = evaluate_model(model, data, cfg, torch.device("cpu"))["classification"]
+    with made_elsewhere():  # every tensor it makes or moves is on the embeddings' device
+        assert evaluate_model(model, data, cfg, torch.device("cpu"))["classification"] == got
     want = {
         "accuracy_image": 50.0,
         "accuracy_text": 62.5,
