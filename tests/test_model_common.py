@@ -10,6 +10,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+from device_check import made_elsewhere
 from model_data import TinyPairs
 
 from infra.device import autocast
@@ -256,7 +257,10 @@ def test_models_make_their_tensors_on_the_inputs_device(name):
     want = run()
     with torch.device("meta"):
         got = run()
-    assert got.keys() == want.keys()
+    with made_elsewhere():  # and every tensor it moves names where to
+        moved = run()
+    assert got.keys() == want.keys() == moved.keys()
     for key, value in want.items():
         assert got[key].device.type == "cpu", key
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(moved[key], value, rtol=0, atol=0, msg=key)
