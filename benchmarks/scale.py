@@ -1,0 +1,421 @@
+"""How the whole DAG scales with the dataset's size: each stage's time, CPU, memory and
+output, and DVC's own overhead, on the synthetic demo dataset grown to N images.
+
+A run copies the project into a temp folder (``tests/conftest.py``'s ``copy_project``:
+tracked and non-ignored files, a fresh git repo), sets the ``demo`` params to N images in
+the demo's train/val/test proportions (five captions each, the demo's grammar), keeps every
+model and training setting of ``params.yaml`` as it is, and runs the DAG through DVC one
+stage at a time, in topological order (``dvc repro --single-item STAGE``). Each stage runs
+under its own small wrapper process, so that the wrapper's ``getrusage(RUSAGE_CHILDREN)``
+after the stage gives that stage alone:
+
+- ``wall_s``: seconds of ``dvc repro --single-item`` (DVC's checks, hashing and caching
+  included);
+- ``cpu_s``: user + system CPU seconds of DVC, the stage's command and their children;
+- ``peak_rss_mb``: the largest resident set of any one of those processes (``ru_maxrss``:
+  the maximum over the processes, not the sum of ones running together, such as a data
+  loader's worker beside its trainer);
+- ``out_bytes``, ``out_files``: the size and file count of the stage's outputs (``outs``,
+  ``metrics`` and ``plots`` of ``dvc.yaml``) after it.
+
+Then DVC's overhead on the finished DAG: ``dvc status`` (``status_s``), and re-hashing and
+committing every output (``hash_commit_s``: ``dvc commit --force`` after the hash database
+of the project's ``core.site_cache_dir`` is removed, so every dependency and output is read
+and hashed again, not looked up by modification time). With ``--s3``, also ``dvc push`` to
+a local S3 endpoint (moto, ``tests/local_s3.py``) and ``dvc pull`` into a fresh clone of the
+temp project that has no cache (moto serves from this process, in Python: these time DVC's
+transfers against a slow server, not against S3). ``overhead_share`` is (status +
+hash/commit) over the DAG's seconds (the sum of the stages' ``wall_s``).
+
+The val and test splits grow with N here (the demo's proportions, 6:1:1), so validation and
+evaluation, whose similarity matrices are (images x captions) of a split, grow as N squared;
+COCO's Karpathy split keeps them at 5,000 images each, which N = 40,000 matches.
+
+One JSON per N (``--out``); ``--plot`` draws seconds against N per stage on log-log axes
+from several JSONs, with each stage's fitted exponent (least-squares slope of log seconds
+on log N), and writes the exponents and a projection of each stage's seconds and peak
+memory at COCO's 123,287 images to ``summary.json``.
+
+Targets:
+
+- every stage's time exponent <= 1.1 between 5,000 and 40,000 images;
+- peak RSS <= 4 GB at 40,000 images, and projected <= 12 GB at 123,287;
+- DVC's overhead <= 5% of the DAG's time at 40,000 images.
+
+Run (one DAG at a time; the temp folder is removed afterwards unless ``--keep``):
+
+    python benchmarks/scale.py --images 5000 [--out benchmarks/results/scale/5000.json] [--s3]
+    python benchmarks/scale.py --plot benchmarks/results/scale/*.json \\
+        --out-plot benchmarks/results/scale/scale.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "scale"
+COCO_IMAGES = 123_287
+FIT_RANGE = (5_000, 40_000)  # the runs the targets' exponents are fitted on, when present
+TARGETS = {
+    "max_time_exponent": 1.1,
+    "max_peak_rss_gb_at_40000": 4.0,
+    "max_projected_peak_rss_gb_at_coco": 12.0,
+    "max_overhead_share_at_40000": 0.05,
+}
+
+
+# -- the wrapper: one measured child process -------------------------------------------
+
+
+def measure(argv: list[str], log: Path) -> None:
+    """Run ``argv`` (output appended to ``log``) and print its figures as one JSON line:
+    this process's children are that command and its descendants alone."""
+    with open(log, "a") as out:
+        start = time.perf_counter()
+        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
+        wall = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(
+        json.dumps(
+            {
+                "rc": rc,
+                "wall_s": round(wall, 3),
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # Linux: KiB
+            }
+        )
+    )
+
+
+def measured(argv: list[str], cwd: Path, log: Path, env: dict) -> dict:
+    """``argv`` run in ``cwd`` under a wrapper process (:func:`measure`); its figures."""
+    wrapper = [sys.executable, __file__, "--measure", str(log), "--", *argv]
+    done = subprocess.run(wrapper, cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the wrapper of {argv} failed:\n{done.stderr}")
+    figures = json.loads(done.stdout.splitlines()[-1])
+    if figures["rc"]:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"{' '.join(argv)} exited {figures['rc']} (log {log}):\n{tail}")
+    return figures
+
+
+# -- the project copy ------------------------------------------------------------------
+
+
+def scaled_params(n_images: int) -> tuple[str, dict]:
+    """``params.yaml`` with the demo dataset at ``n_images`` in the demo's split
+    proportions, and what changed ({key: [before, after]})."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    demo = params["demo"]
+    splits = ("n_train", "n_val", "n_test")
+    total = sum(demo[s] for s in splits)
+    sizes = {s: max(1, round(n_images * demo[s] / total)) for s in splits[1:]}
+    sizes["n_train"] = n_images - sum(sizes.values())
+    changed = {f"demo.{s}": [demo[s], sizes[s]] for s in splits if demo[s] != sizes[s]}
+    demo.update(sizes)
+    return yaml.safe_dump(params, sort_keys=False), changed
+
+
+def stage_plan(root: Path) -> list[tuple[str, list[str]]]:
+    """The stages of ``root``'s DAG in topological order (ties by name), each with the paths
+    of its outputs (outs, metrics and plots), read by DVC's own API."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
+        order = nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: s.name)
+        return [(s.name, [str(o.def_path) for o in s.outs]) for s in order]  # one dvc.yaml
+
+
+def size_of(paths: list[Path]) -> tuple[int, int]:
+    """Bytes and files under ``paths`` (files or folders; missing ones count nothing)."""
+    total = files = 0
+    for path in paths:
+        if path.is_file():
+            total, files = total + path.stat().st_size, files + 1
+        for folder, _, names in os.walk(path):
+            for name in names:
+                total += os.lstat(os.path.join(folder, name)).st_size
+                files += 1
+    return total, files
+
+
+def git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def machine() -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "dvc": version("dvc"),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# -- one run ---------------------------------------------------------------------------
+
+
+def run_dag(n_images: int, with_s3: bool, keep: bool) -> dict:
+    sys.path[:0] = [str(REPO / "tests")]
+    from conftest import copy_project  # also sets the offline/no-analytics environment
+
+    work = Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
+    root = copy_project(REPO, work / "project")
+    text, changed = scaled_params(n_images)
+    (root / "params.yaml").write_text(text)
+    hashes = work / "site-cache"  # DVC's hash database, here so it can be removed
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "DVC_NO_ANALYTICS": "1",
+    }
+    logs = work / "logs"
+    logs.mkdir()
+    subprocess.run(
+        ["dvc", "config", "--local", "core.site_cache_dir", str(hashes)],
+        cwd=root,
+        env=env,
+        check=True,
+    )
+    print(f"N={n_images}: project in {root}", flush=True)
+
+    started = time.perf_counter()
+    plan = stage_plan(root)
+    stages = {}
+    for name, outs in plan:
+        log = logs / f"{name.replace('@', '_')}.log"
+        figures = measured(["dvc", "repro", "--single-item", name], root, log, env)
+        figures["out_bytes"], figures["out_files"] = size_of([root / o for o in outs])
+        figures["ran"] = "didn't change" not in log.read_text()
+        stages[name] = figures
+        print(
+            f"  {name:28} {figures['wall_s']:8.1f} s {n_images / figures['wall_s']:9.1f} images/s"
+            f"  cpu {figures['cpu_s']:8.1f} s  peak {figures['peak_rss_mb']:7.0f} MB",
+            flush=True,
+        )
+    dag_s = sum(s["wall_s"] for s in stages.values())
+
+    log = logs / "dvc.log"
+    dvc = {"status_s": measured(["dvc", "status"], root, log, env)["wall_s"]}
+    shutil.rmtree(hashes)
+    dvc["hash_commit_s"] = measured(["dvc", "commit", "--force"], root, log, env)["wall_s"]
+    dvc["hashing"] = "dvc commit --force with the hash database (core.site_cache_dir) removed"
+    dvc["cache_bytes"], dvc["cache_files"] = size_of([root / ".dvc" / "cache"])
+    if with_s3:
+        dvc.update(push_pull(root, work, env, log))
+    overhead = dvc["status_s"] + dvc["hash_commit_s"]
+    print(
+        f"  dvc status {dvc['status_s']:.1f} s, hash+commit {dvc['hash_commit_s']:.1f} s: "
+        f"{overhead / dag_s:.1%} of the DAG's {dag_s:.0f} s",
+        flush=True,
+    )
+
+    result = {
+        "images": n_images,
+        "captions": n_images * yaml.safe_load(text)["demo"]["captions_per_image"],
+        "params_changed": changed,
+        "params_kept": "every other section of params.yaml, the models' sizes and epochs "
+        "included; the demo's image_size too (the detector, regions and grid "
+        "resize every image to their own 128 px)",
+        "stages": stages,
+        "dag_s": round(dag_s, 3),
+        "dvc": dvc,
+        "overhead_share": round(overhead / dag_s, 4),
+        "run_s": round(time.perf_counter() - started, 1),
+        "machine": machine(),
+        "git_commit": git(REPO, "rev-parse", "HEAD"),
+        "git_dirty": bool(git(REPO, "status", "--porcelain", "--untracked-files=no")),
+        "targets": TARGETS,
+    }
+    if keep:
+        print(f"kept {work}")
+    else:
+        shutil.rmtree(work)
+    return result
+
+
+def push_pull(root: Path, work: Path, env: dict, log: Path) -> dict:
+    """``dvc push`` of the finished DAG to a local S3 endpoint, then ``dvc pull`` into a
+    fresh git clone of the project (no cache, no outputs)."""
+    from local_s3 import local_s3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    git(root, "add", "-A")
+    git(root, "-c", "user.name=scale", "-c", "user.email=scale@localhost", "commit", "-qm", "dag")
+    clone = work / "clone"
+    git(work, "clone", "-q", str(root), str(clone))
+    with local_s3("bucket") as options:
+        for where in (root, clone):
+            for args in (
+                ["remote", "add", "--local", "-d", "local", "s3://bucket/path"],
+                ["remote", "modify", "--local", "local", "endpointurl", options["endpoint_url"]],
+                ["remote", "modify", "--local", "local", "access_key_id", options["key"]],
+                ["remote", "modify", "--local", "local", "secret_access_key", options["secret"]],
+                ["remote", "modify", "--local", "local", "region", "us-east-1"],
+                ["config", "--local", "core.site_cache_dir", str(work / f"hashes-{where.name}")],
+            ):
+                subprocess.run(["dvc", *args], cwd=where, env=env, check=True)
+        push = measured(["dvc", "push"], root, log, env)["wall_s"]
+        pull = measured(["dvc", "pull"], clone, log, env)["wall_s"]
+    status = subprocess.run(["dvc", "status"], cwd=clone, env=env, capture_output=True, text=True)
+    return {
+        "push_s": push,
+        "pull_s": pull,
+        "pulled_bytes": size_of([clone / ".dvc" / "cache"])[0],
+        "pull_up_to_date": "up to date" in status.stdout,
+    }
+
+
+# -- the plot --------------------------------------------------------------------------
+
+
+def fit(ns: list[int], values: list[float]) -> dict | None:
+    """The least-squares line of log(value) on log(N): its slope (the exponent) and the
+    value it projects at COCO's size; None with fewer than two sizes."""
+    import numpy as np
+
+    if len(set(ns)) < 2 or min(values) <= 0:
+        return None
+    slope, intercept = np.polyfit(np.log(ns), np.log(values), 1)
+    return {"exponent": float(slope), "at_coco": float(np.exp(intercept) * COCO_IMAGES**slope)}
+
+
+def figure(run: dict, name: str, key: str) -> float:
+    """A stage's ``key`` in a run; for the whole DAG ("dag"), its seconds or its stages'
+    largest peak RSS."""
+    if name != "dag":
+        return run["stages"][name][key]
+    if key == "wall_s":
+        return run["dag_s"]
+    return max(stage[key] for stage in run["stages"].values())
+
+
+def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
+    """One log-log plot of each stage's seconds against N, and ``summary.json``: each
+    stage's exponents of time and peak RSS, their projections at COCO's size, the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["images"])
+    in_range = [r for r in runs if FIT_RANGE[0] <= r["images"] <= FIT_RANGE[1]]
+    fitted = in_range if len({r["images"] for r in in_range}) >= 2 else runs
+
+    fig, ax = plt.subplots(figsize=(10, 7))
+    colours = plt.get_cmap("tab20")
+    fits = {}
+    for i, name in enumerate([*runs[-1]["stages"], "dag"]):
+        have = [r for r in runs if name == "dag" or name in r["stages"]]
+        use = [r for r in fitted if r in have]
+        time_fit = fit([r["images"] for r in use], [figure(r, name, "wall_s") for r in use])
+        rss_fit = fit([r["images"] for r in use], [figure(r, name, "peak_rss_mb") for r in use])
+        fits[name] = {
+            "time_exponent": round(time_fit["exponent"], 3) if time_fit else None,
+            "projected_s": round(time_fit["at_coco"], 1) if time_fit else None,
+            "rss_exponent": round(rss_fit["exponent"], 3) if rss_fit else None,
+            "projected_peak_rss_mb": round(rss_fit["at_coco"]) if rss_fit else None,
+        }
+        label = f"{name} (k={time_fit['exponent']:.2f})" if time_fit else name
+        style = {"color": "black", "linewidth": 3} if name == "dag" else {"color": colours(i)}
+        seconds = [figure(r, name, "wall_s") for r in have]
+        ax.plot([r["images"] for r in have], seconds, marker="o", label=label, **style)
+    ax.set(xscale="log", yscale="log", xlabel="images (N)", ylabel="seconds")
+    ax.set_title("Each stage's dvc repro --single-item seconds against N (k: fitted exponent)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    fig.tight_layout()
+    out_plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_plot, dpi=120)
+
+    stage_fits = [f for name, f in fits.items() if name != "dag"]
+    exponents = [f["time_exponent"] for f in stage_fits if f["time_exponent"] is not None]
+    projected_rss = [
+        f["projected_peak_rss_mb"] for f in stage_fits if f["rss_exponent"] is not None
+    ]
+    at_40k = next((r for r in runs if r["images"] == 40_000), None)
+    met = {
+        "time_exponents": max(exponents) <= TARGETS["max_time_exponent"] if exponents else None,
+        "peak_rss_at_40000": figure(at_40k, "dag", "peak_rss_mb")
+        <= TARGETS["max_peak_rss_gb_at_40000"] * 1024
+        if at_40k
+        else None,
+        "projected_peak_rss": max(projected_rss)
+        <= TARGETS["max_projected_peak_rss_gb_at_coco"] * 1024
+        if projected_rss
+        else None,
+        "overhead_share_at_40000": at_40k["overhead_share"]
+        <= TARGETS["max_overhead_share_at_40000"]
+        if at_40k
+        else None,
+    }
+    summary = {
+        "runs": [r["images"] for r in runs],
+        "fitted_on_images": sorted({r["images"] for r in fitted}),
+        "projected_to_images": COCO_IMAGES,
+        "stages": fits,
+        "targets": TARGETS,
+        "met": met,  # null: no run at that size yet
+    }
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out_plot} and {summary_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, help="images in the demo dataset (N)")
+    parser.add_argument("--out", type=Path, help="the run's JSON (default: results/scale/N.json)")
+    parser.add_argument("--s3", action="store_true", help="also time dvc push and pull (moto)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp project")
+    parser.add_argument("--plot", type=Path, nargs="+", help="runs' JSONs to plot")
+    parser.add_argument("--out-plot", type=Path, default=RESULTS / "scale.png")
+    parser.add_argument("--summary", type=Path, help="default: summary.json beside the plot")
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the wrapper's log
+    parser.add_argument("command", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.measure:
+        measure(args.command, args.measure)
+    elif args.plot:
+        plot(args.plot, args.out_plot, args.summary or args.out_plot.parent / "summary.json")
+    elif args.images:
+        result = run_dag(args.images, args.s3, args.keep)
+        out = args.out or RESULTS / f"{args.images}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    else:
+        parser.error("give --images N or --plot JSON...")
+
+
+if __name__ == "__main__":
+    main()
