@@ -11,6 +11,7 @@ import json
 import subprocess
 
 from flows.commands import Command
+from flows.text_table import text_table
 
 
 def _flat(data: dict, prefix: str = "") -> dict:
@@ -60,14 +61,8 @@ def table(shown: list[dict]) -> str:
         ]
         for name, p, r in rows
     ]
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *body]
-    ]
-    if not changed:
-        lines.append("(no param differs between these rows)")
-    return "\n".join(lines)
+    text = text_table(header, body)
+    return text if changed else f"{text}\n(no param differs between these rows)"
 
 
 def run(args, params) -> int:

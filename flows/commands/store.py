@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from flows.commands import Command, path_in, path_out, progress
+from flows.text_table import text_table
 
 
 def _storage_options(args) -> dict | None:
@@ -66,10 +67,7 @@ def run_ls(args, params) -> int:
     if not rows:
         print(f"no feature stores under {args.root}")
         return 0
-    header = ("path", "kind", "samples", "state", "fingerprint", "size")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(text_table(("path", "kind", "samples", "state", "fingerprint", "size"), rows))
     for message in damaged:
         print(f"error: {message}", file=sys.stderr)
     return 1 if damaged else 0
@@ -150,9 +148,7 @@ def run_compare(args, params) -> int:
             )
             for d in diffs
         ]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        print(text_table(header, rows))
         identical = sum(d.identical for d in diffs)
         print(
             f"compare: {identical} of {len(diffs)} identical, {len(diffs) - len(beyond)} "
