@@ -9,7 +9,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from test_feature_files import detections, save_milvlg
+from test_feature_files import Payload, detections, save_milvlg
 from test_precomp import CFG, tsv_manifest
 
 from features.exchange.butd_tsv import MalformedRow
@@ -156,18 +156,6 @@ def test_a_npy_array_or_a_truncated_archive_is_not_an_npz(tmp_path):
     cut = tmp_path / "c.npz"
     cut.write_bytes(whole[: len(whole) // 2])
     assert refused(cut) == f"{cut}: not a readable .npz (BadZipFile: File is not a zip file)"
-
-
-class Payload:
-    """A pickle that would run a command when loaded."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
 
 
 class NumpySave:
