@@ -215,3 +215,59 @@ def test_the_image_stage_takes_its_dask_cluster_from_flags_or_environment(monkey
     monkeypatch.setenv("VSE_DASK_ADDRESS", "tcp://h:8786")
     with pytest.raises(UserError, match="not both"):
         dask_settings(args)
+
+
+def test_a_worker_killed_in_the_middle_of_a_shard_costs_no_manual_step(demo, tmp_path):
+    """Three Dask workers; the first to write a shard's first field is SIGKILLed before the
+    shard's commit marker, holding the shard's lock and leaving half a shard. Dask sends the
+    task to another worker, whose shard writer takes the dead writer's lock (an ``flock``
+    dies with its process) and rewrites the shard: the store equals one process's, byte for
+    byte, and verifies."""
+    from distributed import LocalCluster
+
+    from flows.distributed import ExtractJob, run_distributed
+
+    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
+    manifest = read_manifest(demo / "manifest.parquet")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each single-threaded Dask worker
+    try:
+        extractor = GridExtractor(build_trunk(cfg), cfg, torch.device("cpu"))
+        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", cfg, LAYOUT)
+    finally:
+        torch.set_num_threads(threads)
+
+    claim = tmp_path / "killed"  # made by the one worker that dies, so only one dies
+
+    def arm(claim=str(claim)):
+        import os
+        import signal
+
+        from features.store.writer import ShardWriter
+
+        write = ShardWriter._write_dense
+
+        def write_then_die(self, *args, **kwargs):
+            write(self, *args, **kwargs)
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-shard: a field written, no marker
+
+        ShardWriter._write_dense = write_then_die
+
+    out = tmp_path / "dask.zarr"
+    grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as local,
+        local.get_client() as client,
+    ):
+        client.run(arm)  # in every worker process; a restarted worker is not armed
+        summary = run_distributed(grid, address=local.scheduler_address)
+    assert claim.exists()  # a worker did die in the middle of a shard
+    assert summary["shards"] == 5 and summary["samples"] == 20
+    assert files_of(out) == files_of(tmp_path / "one.zarr")
+    assert Store.open(out).verify() == [] and not incomplete_path(out).exists()
