@@ -5,6 +5,7 @@ single-writer run."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -269,5 +270,101 @@ def test_a_worker_killed_in_the_middle_of_a_shard_costs_no_manual_step(demo, tmp
         summary = run_distributed(grid, address=local.scheduler_address)
     assert claim.exists()  # a worker did die in the middle of a shard
     assert summary["shards"] == 5 and summary["samples"] == 20
+    assert files_of(out) == files_of(tmp_path / "one.zarr")
+    assert Store.open(out).verify() == [] and not incomplete_path(out).exists()
+
+
+def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path):
+    """A zombie writer: three workers without nannies (nothing can stop a frozen one); the
+    first to write a shard's first field freezes (SIGSTOP) holding the shard's lock. It
+    misses its heartbeats, the scheduler drops it and gives its task to another worker,
+    whose shard writer is refused the locked shard (its retry too), so the run fails in one
+    line naming the shard. The zombie then wakes (SIGCONT) and finishes its shard or closes;
+    either way no shard is mixed and the rerun completes the store equal to one process's,
+    byte for byte. (One machine: the freeze stands in for a cut network; an ``flock``
+    guards a store on one file system only.)"""
+    import signal
+    import threading
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    from flows.distributed import ExtractJob, run_distributed
+
+    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
+    manifest = read_manifest(demo / "manifest.parquet")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        extractor = GridExtractor(build_trunk(cfg), cfg, torch.device("cpu"))
+        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", cfg, LAYOUT)
+    finally:
+        torch.set_num_threads(threads)
+
+    claim = tmp_path / "frozen"  # the frozen worker's pid
+
+    def arm(claim=str(claim)):
+        import os
+        import signal
+
+        from features.store.writer import ShardWriter
+
+        write = ShardWriter._write_dense
+
+        def write_then_freeze(self, *args, **kwargs):
+            write(self, *args, **kwargs)
+            try:
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        ShardWriter._write_dense = write_then_freeze
+
+    out = tmp_path / "dask.zarr"
+    grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
+    outcome = {}
+
+    def first_run(address):
+        try:
+            outcome["summary"] = run_distributed(grid, address=address)
+        except Exception as err:
+            outcome["error"] = err
+
+    repo = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    with (
+        dask.config.set({"distributed.scheduler.worker-ttl": "3s"}),
+        LocalCluster(n_workers=0, dashboard_address=None) as local,
+        Client(local.scheduler_address) as client,
+    ):
+        worker = [sys.executable, "-m", "dask", "worker", local.scheduler_address]
+        worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
+        workers = [subprocess.Popen(worker, env=env, stderr=subprocess.DEVNULL) for _ in "abc"]
+        try:
+            client.wait_for_workers(3, timeout=120)
+            client.run(arm)
+            run = threading.Thread(target=first_run, args=(local.scheduler_address,))
+            run.start()
+            run.join(timeout=240)
+            assert not run.is_alive() and claim.exists()
+            zombie = int(claim.read_text())
+            os.kill(zombie, signal.SIGCONT)
+            frozen = next(proc for proc in workers if proc.pid == zombie)
+            message = str(outcome["error"])  # the moved task was refused the zombie's shard
+            assert "\n" not in message and "is being written by another shard writer" in message
+            for _ in range(600):  # the zombie finishes its shard or closes, releasing its lock
+                building = Store.open(incomplete_path(out), require_complete=False)
+                if building.committed.all() or frozen.poll() is not None:
+                    break
+                time.sleep(0.1)
+            again = run_distributed(grid, address=local.scheduler_address)
+        finally:
+            for proc in workers:
+                proc.kill()
+                proc.wait()
+    assert again["shards"] <= 1  # the zombie's shard, unless it finished it itself
     assert files_of(out) == files_of(tmp_path / "one.zarr")
     assert Store.open(out).verify() == [] and not incomplete_path(out).exists()
