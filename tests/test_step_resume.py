@@ -303,6 +303,36 @@ def test_a_ddp_run_resumes_on_another_number_of_ranks(tmp_path, repo_root, befor
     assert given == full[: 3 * 8] and rest == full[3 * 8 :]
 
 
+def test_a_two_node_run_that_loses_a_node_resumes_on_the_survivor(tmp_path, repo_root):
+    """Two torchrun nodes of one process each (gloo, node ranks 0 and 1, static rendezvous
+    on loopback), step checkpoints every 2 steps; node 1's process is SIGKILLed at step 5
+    (a machine lost: nothing written), node 0's next collective fails. Resumed on node 0
+    alone from the step-4 checkpoint: the same global sequence of samples, from there, as
+    the uninterrupted two-node run (as the one-machine elastic resume above)."""
+    port, job = 29561, str(repo_root / "tests" / "jobs" / "ddp_elastic_job.py")
+    env = {**os.environ, "PYTHONPATH": f"{repo_root}:{repo_root / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+    def two_nodes(out, *extra):
+        nodes = []
+        for node in (0, 1):
+            run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+            run += ["--nproc_per_node", "1", "--node_rank", str(node)]
+            run += ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+            run += [job, str(out), "4", "5", *extra]
+            nodes.append(subprocess.Popen(run, env=env, stdout=subprocess.PIPE, text=True))
+        return [(proc.communicate(timeout=300)[0], proc.returncode) for proc in nodes]
+
+    reference, lost = tmp_path / "reference", tmp_path / "lost"
+    assert [code for _, code in two_nodes(reference, "--kill-rank", "9")] == [0, 0]
+    full = _consumed(reference, "first", 2)
+    assert [code for _, code in two_nodes(lost, "--kill-rank", "1")] == [1, 1]
+    ckpt = torch.load(lost / "model" / "last.pt", weights_only=True)
+    assert ckpt["within"]["step"] == 4 and ckpt["global_batch"] == 8
+    resumed = _launch(repo_root, lost, 1, 4, 0, port, True)
+    assert "global batch 8 = 1 x 8" in resumed.stdout + resumed.stderr
+    assert _consumed(lost, "resumed", 1) == full[4 * 8 :]
+
+
 def test_a_rerun_flow_resumes_only_from_a_compatible_last_pt(packed, tmp_path):
     """``train-<model>`` passes a preempted run's last.pt on (VSE_TRAIN_RESUME_FROM) only
     when it is this model's, trained with the same params, and readable as plain data."""
