@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from features.scenegraph.factual import PORTION_NOUNS, neutral_predicate
+from features.scenegraph.lexicon import attribute_lemma
 
 WEIGHTS = Path(__file__).with_name("edges.npz")
 
@@ -137,13 +138,6 @@ def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
         for t in toks
         if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
     ]
-
-
-def attribute_lemma(t) -> str:
-    """The rules' convention (builder ``_add_attribute``): participles and numbers keep
-    their form, adjectives their lemma."""
-    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
-    return t.text if participle or t.pos == "NUM" else t.lemma
 
 
 class Scorer:

@@ -291,6 +291,13 @@ def verb_lemma(text: str, lemma: str, verbs: Collection[str] | None) -> str:
     return lemma
 
 
+def attribute_lemma(t) -> str:
+    """The lemma of an attribute word (a token): participles and numbers keep their form
+    ("parked", "two"), adjectives their lemma."""
+    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
+    return t.text if participle or t.pos == "NUM" else t.lemma
+
+
 def participle_lemma(text: str, verbs: Collection[str] | None) -> str | None:
     """The verb of an -ing form the tagger called a noun ("grazing" -> "graze"), if known."""
     if not text.endswith("ing") or len(text) < 6:
