@@ -55,9 +55,7 @@ class Parser:
                 lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
                 if lookups is not None and lookups.has_table("lemma_index"):
                     index = lookups.get_table("lemma_index")
-                    exceptions = {}
-                    if lookups.has_table("lemma_exc"):
-                        exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
+                    exceptions = dict(lookups.get_table("lemma_exc", {}).get("noun", {}))
                     parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
             parsers = _PARSERS[nlp] = {"off": parser}
             model = EdgeModel.load()
