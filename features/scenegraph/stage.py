@@ -36,31 +36,15 @@ class ScenegraphConfig(Section):
 # Components the rules read: tokens, tags (tagger; attribute_ruler maps them to POS, which
 # the rule lemmatizer needs), the dependency parse and lemmas. Everything else is excluded.
 NEEDED_COMPONENTS = (
-    "transformer",
-    "tok2vec",
-    "tagger",
-    "morphologizer",
-    "parser",
-    "attribute_ruler",
-    "lemmatizer",
-    "trainable_lemmatizer",
-)
+    "transformer", "tok2vec", "tagger", "morphologizer", "parser", "attribute_ruler",
+    "lemmatizer", "trainable_lemmatizer",
+)  # fmt: skip
 
 
 UNNEEDED_COMPONENTS = (
-    "ner",
-    "senter",
-    "sentencizer",
-    "entity_ruler",
-    "entity_linker",
-    "span_ruler",
-    "spancat",
-    "span_finder",
-    "textcat",
-    "textcat_multilabel",
-    "coref",
-    "span_resolver",
-)
+    "ner", "senter", "sentencizer", "entity_ruler", "entity_linker", "span_ruler", "spancat",
+    "span_finder", "textcat", "textcat_multilabel", "coref", "span_resolver",
+)  # fmt: skip
 
 
 # A model name and the packages that provide it, preferred first: spaCy's official package,
