@@ -216,8 +216,7 @@ class _Builder(Gaps, Placing):
         return (t.text, nxt.lemma) in LEXICAL_COMPOUNDS or (t.text, nxt.text) in LEXICAL_COMPOUNDS
 
     def _is_object(self, t: _Tok) -> bool:
-        if t.pos not in NOUNS:
-            return False
+        """Whether the noun ``t`` heads an object (conventions: :mod:`features.scenegraph`)."""
         dep = t.dep
         if dep in NAME_DEPS and t.head > t.i:
             if self._is_name_modifier(t) or t.text in COLOURS:
@@ -226,8 +225,7 @@ class _Builder(Gaps, Placing):
             return False  # "small and crimson"
         elif dep == "npadvmod" and self.toks[t.head].pos in ("ADJ", "VERB"):  # "snow covered"
             return False
-        text = t.text
-        if text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
+        if t.text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
             return not (self._is_relational(t) or self._is_frame(t) or self._is_quantity(t))
         return True
 
@@ -347,10 +345,9 @@ class _Builder(Gaps, Placing):
         """Objects that do ``verb`` (for a passive, undergo it): explicit subjects, or
         "there is X", or the noun a participle / relative clause describes, or the subject
         of the verb this one is conjoined with or subordinate to."""
-        found = self.subjects.get(verb.i)
-        if found is None:
-            found = self.subjects[verb.i] = self._find_subjects(verb)
-        return found
+        if verb.i not in self.subjects:
+            self.subjects[verb.i] = self._find_subjects(verb)
+        return self.subjects[verb.i]
 
     def _find_subjects(self, verb: _Tok) -> list[int]:
         for deps in (("nsubj", "csubj"), ("nsubjpass",)):

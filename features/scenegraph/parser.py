@@ -106,10 +106,8 @@ class Parser:
         for t in toks:
             head = toks[t.head]
             dep = t.dep
-            if dep in ("nsubj", "nsubjpass"):
-                # "the street is lined with": the subject hangs on the auxiliary
-                if head.dep in ("aux", "auxpass"):
-                    t.head = head.head
+            if dep in ("nsubj", "nsubjpass") and head.dep in ("aux", "auxpass"):
+                t.head = head.head  # "the street is lined with": the subject hangs on the auxiliary
             elif dep == "npadvmod" and t.pos in NOUNS and head.tag == "VBG" and t.i < head.i:
                 # "baby laying on a blanket": the noun before a participle is its subject
                 if head.dep == "ROOT" and not any(
