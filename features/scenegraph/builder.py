@@ -460,19 +460,10 @@ class _Builder(Gaps, Placing):
         target = self.toks[targets[0][1]]
         key = (verb.lemma, noun.lemma, phrase, target.lemma)
         if self.record is not None:
-            objects = self.graph.objects
-            names = [
-                objects[self.index[i]]["lemma"] for i in self._subjects(verb) if i in self.index
-            ]
-            self.record.append(
-                (
-                    key,
-                    anchor is noun,
-                    names,
-                    objects[self.index[noun.i]]["lemma"],
-                    [objects[self.index[o]]["lemma"] for _, o in targets if o in self.index],
-                )
-            )
+            name = {t: self.graph.objects[k]["lemma"] for t, k in self.index.items()}
+            subjects = [name[i] for i in self._subjects(verb) if i in name]
+            objects = [name[o] for _, o in targets if o in name]
+            self.record.append((key, anchor is noun, subjects, name[noun.i], objects))
         choice = self.attach(*key, anchor is noun) if self.attach else None
         if choice is None or choice == (anchor is noun):
             return False
