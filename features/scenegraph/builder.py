@@ -268,8 +268,7 @@ class _Builder(Gaps, Placing):
         return [] if of is None else self._objects_of(of, "pobj", members=members)
 
     def _objects_of(self, t: _Tok, *deps: str, members: bool = False) -> list[int]:
-        """Objects the children of ``t`` with the labels ``deps`` and their conjuncts stand
-        for (:meth:`_entities`)."""
+        """Objects the ``deps`` children of ``t`` and their conjuncts stand for (``_entities``)."""
         return [
             e
             for o in self._children(t, *deps)

@@ -263,8 +263,7 @@ class EdgeModel:
             self._attributes(tensor, toks, chains, heads, index, name_words, graph)
 
     def _encode(self, tensor, toks, inputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A scorer's inputs (dense, field ids, bag ids) of candidates ((a, b), features,
-        bag of words)."""
+        """A scorer's inputs (dense, field ids, bag ids) of candidates ((a, b), features, bag)."""
         rows = np.array([pair for pair, _, _ in inputs])
         ids = np.array([self.vocab.ids(fields) for _, fields, _ in inputs])
         bags = np.array([self.vocab.bag(bag) for _, _, bag in inputs])
