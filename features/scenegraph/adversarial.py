@@ -114,16 +114,11 @@ def _attack(attack: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[s
             noun = pick("nouns")
             if noun is None:
                 return None
-            s = int(rng.integers(len(graph["objects"])))
+            s, o = int(rng.integers(len(graph["objects"]))), len(graph["objects"])
             text = f"{text} {relation} a {noun}"
             graph["objects"].append({"span": noun, "head": noun, "lemma": noun})
             graph["relations"].append(
-                {
-                    "subject": s,
-                    "relation": relation,
-                    "lemma": relation,
-                    "object": len(graph["objects"]) - 1,
-                }
+                {"subject": s, "relation": relation, "lemma": relation, "object": o}
             )
     if text is None or text == row["caption"]:
         return None

@@ -28,6 +28,7 @@ from features.scenegraph.lexicon import (
     SUBJECT_PREPOSITIONS,
     TRANSITIVE_VERBS,
     VERBS,
+    attribute_lemma,
 )
 from features.scenegraph.placing import Placing
 
@@ -164,14 +165,17 @@ class _Builder(Gaps, Placing):
             first = self.toks[first.head]
         return self._conjuncts(first)
 
-    def _distribute(self, noun: _Tok, modifier: _Tok, deps: tuple[str, ...]) -> list[_Tok]:
-        """Nouns a modifier (preposition, participle) of ``noun`` applies to: all the
-        conjuncts when it follows the last one and no other conjunct has its own."""
-        group = self._group(noun)
+    def _distribute(
+        self, noun: _Tok, modifier: _Tok, deps: tuple[str, ...], members: bool = False
+    ) -> list[int]:
+        """Objects of the nouns a modifier (preposition, participle) of ``noun`` applies to
+        (:meth:`_entities`): all the conjuncts when it follows the last one and no other
+        conjunct has its own."""
+        nouns, group = [noun], self._group(noun)
         if len(group) > 1 and modifier.i > group[-1].i:
             if not any(self._children(g, *deps) for g in group if g is not noun):
-                return group
-        return [noun]
+                nouns = group
+        return [e for n in nouns for e in self._entities(n, members)]
 
     def _of(self, t: _Tok) -> _Tok | None:
         """The "of" a frame or quantity noun takes ("a picture of", "a close up of")."""
@@ -194,11 +198,7 @@ class _Builder(Gaps, Placing):
 
     def _is_relational(self, t: _Tok) -> bool:
         """A noun of a phrasal preposition: "front" in "in front of", "left" in "to the left of"."""
-        return (
-            t.text in RELATIONAL_NOUNS
-            and t.dep == "pobj"
-            and any(c.text == "of" for c in self._children(t, "prep"))
-        )
+        return t.text in RELATIONAL_NOUNS and t.dep == "pobj" and self._of(t) is not None
 
     def _is_name_modifier(self, t: _Tok) -> bool:
         head = self.toks[t.head]
@@ -216,8 +216,7 @@ class _Builder(Gaps, Placing):
         return (t.text, nxt.lemma) in LEXICAL_COMPOUNDS or (t.text, nxt.text) in LEXICAL_COMPOUNDS
 
     def _is_object(self, t: _Tok) -> bool:
-        if t.pos not in NOUNS:
-            return False
+        """Whether the noun ``t`` heads an object (conventions: :mod:`features.scenegraph`)."""
         dep = t.dep
         if dep in NAME_DEPS and t.head > t.i:
             if self._is_name_modifier(t) or t.text in COLOURS:
@@ -226,8 +225,7 @@ class _Builder(Gaps, Placing):
             return False  # "small and crimson"
         elif dep == "npadvmod" and self.toks[t.head].pos in ("ADJ", "VERB"):  # "snow covered"
             return False
-        text = t.text
-        if text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
+        if t.text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
             return not (self._is_relational(t) or self._is_frame(t) or self._is_quantity(t))
         return True
 
@@ -259,8 +257,7 @@ class _Builder(Gaps, Placing):
             and t.i < head.i
             and head.head != head.i
         ):
-            nouns = self._distribute(self.toks[head.head], head, ("acl", "relcl"))
-            return [e for n in nouns for e in self._entities(n, members)]
+            return self._distribute(self.toks[head.head], head, ("acl", "relcl"), members)
         if t.pos in NOUNS or t.text == "close":
             if self._is_frame(t) or self._is_quantity(t):
                 return self._of_objects(t, members)
@@ -268,12 +265,14 @@ class _Builder(Gaps, Placing):
 
     def _of_objects(self, t: _Tok, members: bool = False) -> list[int]:
         of = self._of(t)
-        if of is None:
-            return []
+        return [] if of is None else self._objects_of(of, "pobj", members=members)
+
+    def _objects_of(self, t: _Tok, *deps: str, members: bool = False) -> list[int]:
+        """Objects the ``deps`` children of ``t`` and their conjuncts stand for (``_entities``)."""
         return [
             e
-            for p in self._children(of, "pobj")
-            for c in self._conjuncts(p)
+            for o in self._children(t, *deps)
+            for c in self._conjuncts(o)
             for e in self._entities(c, members)
         ]
 
@@ -288,9 +287,7 @@ class _Builder(Gaps, Placing):
             return
         if adjective.text in PHRASE_WORDS and self._children(adjective, "prep"):
             return  # "next" of "next to"
-        participle = adjective.pos == "VERB" or adjective.tag in ("VBN", "VBG", "VBD")
-        plain = participle or adjective.pos == "NUM"
-        key = (self.index[obj_token], adjective.text, adjective.text if plain else adjective.lemma)
+        key = (self.index[obj_token], adjective.text, attribute_lemma(adjective))
         if self._shades(adjective.i - 1):  # "dark green": one attribute
             key = (key[0], *[f"{self.toks[adjective.i - 1].text} {adjective.text}"] * 2)
         elif self._shades(adjective.i):
@@ -325,11 +322,8 @@ class _Builder(Gaps, Placing):
 
     def _copula_attributes(self, be: _Tok) -> None:
         """Complements of a copula: "the cat is black (and white)", "a dog that is brown"."""
-        complements = self._children(be, "acomp")
-        if not complements:
-            return
         for s in self._subjects(be):
-            for c in complements:
+            for c in self._children(be, "acomp"):
                 for a in self._conjuncts(c):
                     self._add_attribute(s, a)
 
@@ -350,40 +344,28 @@ class _Builder(Gaps, Placing):
         """Objects that do ``verb`` (for a passive, undergo it): explicit subjects, or
         "there is X", or the noun a participle / relative clause describes, or the subject
         of the verb this one is conjoined with or subordinate to."""
-        found = self.subjects.get(verb.i)
-        if found is None:
-            found = self.subjects[verb.i] = self._find_subjects(verb)
-        return found
+        if verb.i not in self.subjects:
+            self.subjects[verb.i] = self._find_subjects(verb)
+        return self.subjects[verb.i]
 
     def _find_subjects(self, verb: _Tok) -> list[int]:
-        found = self._children(verb, "nsubj", "csubj") or self._children(verb, "nsubjpass")
-        if found:
-            nouns = [c for s in found for c in self._conjuncts(s)]
-        elif self._children(verb, "expl"):
-            nouns = [c for s in self._children(verb, "attr") for c in self._conjuncts(s)]
-        elif verb.dep in ("acl", "relcl") and verb.head != verb.i:
-            return [
-                e
-                for n in self._distribute(self.toks[verb.head], verb, ("acl", "relcl"))
-                for e in self._entities(n, members=True)
-            ]
-        elif verb.dep in ("conj", "advcl", "xcomp") and verb.head != verb.i:
-            head = self.toks[verb.head]
-            return self._subjects(head) if head.pos in VERBS else []
-        else:
-            return []
-        return [e for n in nouns for e in self._entities(n, members=True)]
+        for deps in (("nsubj", "csubj"), ("nsubjpass",)):
+            if self._children(verb, *deps):
+                return self._objects_of(verb, *deps, members=True)
+        if self._children(verb, "expl"):
+            return self._objects_of(verb, "attr", members=True)
+        head = self.toks[verb.head]
+        if verb.dep in ("acl", "relcl") and verb.head != verb.i:
+            return self._distribute(head, verb, ("acl", "relcl"), members=True)
+        if verb.dep in ("conj", "advcl", "xcomp") and verb.head != verb.i and head.pos in VERBS:
+            return self._subjects(head)
+        return []
 
     def _particles(self, verb: _Tok) -> list[_Tok]:
         return [p for p in self._children(verb, "prt") if not self._children(p, "pobj")]
 
     def _verb_object(self, verb: _Tok) -> None:
-        objects = [
-            e
-            for o in self._children(verb, *OBJECT_DEPS)
-            for c in self._conjuncts(o)
-            for e in self._entities(c)
-        ]
+        objects = self._objects_of(verb, *OBJECT_DEPS)
         if not objects or self._children(verb, "nsubjpass"):
             return
         words = [verb, *self._particles(verb)]
@@ -413,14 +395,9 @@ class _Builder(Gaps, Placing):
             for target in self._conjuncts(pobj):
                 if self._is_relational(target):
                     # "in front of the house", "to the left of a square"
-                    of = next(c for c in self._children(target, "prep") if c.text == "of")
+                    of = self._of(target)
                     phrase = [*words, *self._children(target, "det"), target, of]
-                    targets += [
-                        (phrase, e)
-                        for p in self._children(of, "pobj")
-                        for c in self._conjuncts(p)
-                        for e in self._entities(c)
-                    ]
+                    targets += [(phrase, e) for e in self._objects_of(of, "pobj")]
                 else:
                     targets += [(words, e) for e in self._entities(target)]
         if not targets:
@@ -433,13 +410,7 @@ class _Builder(Gaps, Placing):
         if anchor.pos in VERBS:
             self._verb_prepositional(anchor, prep, words, targets)
         elif anchor.pos in NOUNS or self._entities(anchor):
-            members = prep.text != "of"
-            subjects = [
-                e
-                for n in self._distribute(anchor, words[0], ("prep",))
-                for e in self._entities(n, members)
-            ]
-            for s in subjects:
+            for s in self._distribute(anchor, words[0], ("prep",), members=prep.text != "of"):
                 for phrase, o in targets:
                     self._add(s, phrase, o)
 
@@ -488,19 +459,10 @@ class _Builder(Gaps, Placing):
         target = self.toks[targets[0][1]]
         key = (verb.lemma, noun.lemma, phrase, target.lemma)
         if self.record is not None:
-            objects = self.graph.objects
-            names = [
-                objects[self.index[i]]["lemma"] for i in self._subjects(verb) if i in self.index
-            ]
-            self.record.append(
-                (
-                    key,
-                    anchor is noun,
-                    names,
-                    objects[self.index[noun.i]]["lemma"],
-                    [objects[self.index[o]]["lemma"] for _, o in targets if o in self.index],
-                )
-            )
+            name = {t: self.graph.objects[k]["lemma"] for t, k in self.index.items()}
+            subjects = [name[i] for i in self._subjects(verb) if i in name]
+            objects = [name[o] for _, o in targets if o in name]
+            self.record.append((key, anchor is noun, subjects, name[noun.i], objects))
         choice = self.attach(*key, anchor is noun) if self.attach else None
         if choice is None or choice == (anchor is noun):
             return False
@@ -528,12 +490,7 @@ class _Builder(Gaps, Placing):
             if verb.i < words[0].i and all(i in allowed for i in between):
                 verb_words = [verb, *particles]
             elif words[0].text not in SUBJECT_PREPOSITIONS:
-                objects = [
-                    e
-                    for o in self._children(verb, "dobj", "obj")
-                    for c in self._conjuncts(o)
-                    for e in self._entities(c)
-                ]
+                objects = self._objects_of(verb, "dobj", "obj")
                 owned = any(
                     c.pos == "PRON"
                     for p in self._children(prep, "pobj")

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from features.scenegraph.factual import PORTION_NOUNS, neutral_predicate
+from features.scenegraph.lexicon import attribute_lemma
 
 WEIGHTS = Path(__file__).with_name("edges.npz")
 
@@ -121,6 +122,37 @@ def attribute_features(toks, chains, m: int, h: int, rule: bool):
     return fields, between(toks, m, h)
 
 
+def relation_inputs(toks, chains, heads: list[int], index: dict, relations) -> list[tuple]:
+    """((subject token, object token), features, bag of words) of every ordered pair of the
+    object heads ``heads``; ``relations``: the rules' (as JSON), whose first predicate of
+    the pair and of the reversed pair are features (:func:`relation_features`)."""
+    lemmas: dict[tuple[int, int], str] = {}
+    for r in relations:
+        lemmas.setdefault((r["subject"], r["object"]), r["lemma"])
+
+    def rule(i: int, j: int) -> str:
+        return lemmas.get((index[i], index[j]), "")
+
+    return [
+        ((i, j), *relation_features(toks, chains, i, j, rule(i, j), rule(j, i)))
+        for i in heads
+        for j in heads
+        if i != j
+    ]
+
+
+def attribute_inputs(toks, chains, heads, index: dict, name_words: dict, attributes):
+    """((modifier token, object head), features, bag of words) of every attribute candidate
+    (:func:`attribute_candidates`) and object head; ``attributes``: the rules' (as JSON)."""
+    made = {(a["object"], a["attribute"]) for a in attributes}
+    candidates = attribute_candidates(toks, index, name_words)
+    return [
+        ((m, h), *attribute_features(toks, chains, m, h, (index[h], toks[m].text) in made))
+        for h in heads
+        for m in candidates
+    ]
+
+
 def token_rows(tensor: np.ndarray, toks, rows: np.ndarray) -> np.ndarray:
     """The dense input of candidates ``rows`` (B, 2) of token pairs (a, b): the token vectors
     of a, b and b's head (the preposition or verb that governs it), (B, 3T)."""
@@ -137,13 +169,6 @@ def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
         for t in toks
         if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
     ]
-
-
-def attribute_lemma(t) -> str:
-    """The rules' convention (builder ``_add_attribute``): participles and numbers keep
-    their form, adjectives their lemma."""
-    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
-    return t.text if participle or t.pos == "NUM" else t.lemma
 
 
 class Scorer:
@@ -237,26 +262,20 @@ class EdgeModel:
         if heads:
             self._attributes(tensor, toks, chains, heads, index, name_words, graph)
 
+    def _encode(self, tensor, toks, inputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A scorer's inputs (dense, field ids, bag ids) of candidates ((a, b), features, bag)."""
+        rows = np.array([pair for pair, _, _ in inputs])
+        ids = np.array([self.vocab.ids(fields) for _, fields, _ in inputs])
+        bags = np.array([self.vocab.bag(bag) for _, _, bag in inputs])
+        return token_rows(tensor, toks, rows), ids, bags
+
     def _relations(self, tensor, toks, chains, heads, index, graph) -> None:
         by_pair: dict[tuple[int, int], list[dict]] = {}
         for r in graph.relations:
             by_pair.setdefault((r["subject"], r["object"]), []).append(r)
-        pairs, ids, bags = [], [], []
-        for i in heads:
-            for j in heads:
-                if i == j:
-                    continue
-                rule = by_pair.get((index[i], index[j]), ())
-                back = by_pair.get((index[j], index[i]), ())
-                fields, bag = relation_features(
-                    toks, chains, i, j, rule[0]["lemma"] if rule else "",
-                    back[0]["lemma"] if back else "",
-                )  # fmt: skip
-                pairs.append((index[i], index[j]))
-                ids.append(self.vocab.ids(fields))
-                bags.append(self.vocab.bag(bag))
-        rows = np.array([(i, j) for i in heads for j in heads if i != j])
-        logits = self.relations(token_rows(tensor, toks, rows), np.array(ids), np.array(bags))
+        inputs = relation_inputs(toks, chains, heads, index, graph.relations)
+        pairs = [(index[i], index[j]) for (i, j), _, _ in inputs]
+        logits = self.relations(*self._encode(tensor, toks, inputs))
         probs = np.exp(logits - logits.max(1, keepdims=True))  # (B, C)
         best, sure = probs.argmax(1), probs.max(1) / probs.sum(1)  # (B,), (B,)
         add, drop, change = self.confidence
@@ -288,27 +307,17 @@ class EdgeModel:
         graph.relations = kept
 
     def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
-        candidates = attribute_candidates(toks, index, name_words)
-        if not candidates:
+        inputs = attribute_inputs(toks, chains, heads, index, name_words, graph.attributes)
+        if not inputs:
             return
         made = {(a["object"], a["attribute"]): a for a in graph.attributes}
-        pairs, ids, bags = [], [], []
-        for h in heads:
-            for m in candidates:
-                rule = (index[h], toks[m].text) in made
-                fields, bag = attribute_features(toks, chains, m, h, rule)
-                pairs.append((m, h))
-                ids.append(self.vocab.ids(fields))
-                bags.append(self.vocab.bag(bag))
-        rows = np.array(pairs)
-        dense = token_rows(tensor, toks, rows)
-        logits = self.attributes(dense, np.array(ids), np.array(bags))  # (B, 2)
+        logits = self.attributes(*self._encode(tensor, toks, inputs))  # (B, 2)
         margin = (logits[:, 1] - logits[:, 0]).tolist()  # (B,)
         low, high = self.threshold
-        words = {toks[m].text for m in candidates}
+        words = {toks[m].text for (m, _), _, _ in inputs}
         out = [a for a in graph.attributes if a["attribute"] not in words]
         seen = {(a["object"], a["attribute"]) for a in out}
-        for (m, h), score in zip(pairs, margin, strict=True):
+        for ((m, h), _, _), score in zip(inputs, margin, strict=True):
             key = (index[h], toks[m].text)
             if score > (low if key in made else high) and key not in seen:
                 seen.add(key)

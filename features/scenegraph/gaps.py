@@ -70,24 +70,22 @@ class Gaps:
         verb = self.toks[prep.head]
         if verb.pos not in VERBS or verb.dep != "relcl" or verb.i > prep.i:
             return
-        noun = self.toks[verb.head]
         words = [verb, prep] if verb.lemma != "be" and verb.i + 1 == prep.i else [prep]
-        for s in self._children(verb, "nsubj"):
-            for subject in self._entities(s):
-                for target in self._entities(noun):
-                    self._add(subject, words, target)
+        self._gap_relations(verb, words)
 
     def _gapped_object(self, verb) -> None:
         """A transitive verb ending a relative clause without a relative pronoun or an
         object: "the pink shirt the woman is wearing" -> (woman, wear, shirt)."""
         if verb.dep != "relcl" or verb.lemma not in TRANSITIVE_VERBS or verb.kids.get("dobj"):
             return
-        if verb.i + 1 < len(self.toks) and self.toks[verb.i + 1].pos not in ("PUNCT",):
+        if verb.i + 1 < len(self.toks) and self.toks[verb.i + 1].pos != "PUNCT":
             return
-        noun = self.toks[verb.head]
-        if noun.i > verb.i:
-            return
+        if verb.head <= verb.i:
+            self._gap_relations(verb, [verb])
+
+    def _gap_relations(self, verb, words) -> None:
+        """(subject of ``verb``, ``words``, the noun its clause describes)."""
         for s in self._children(verb, "nsubj"):
             for subject in self._entities(s):
-                for target in self._entities(noun):
-                    self._add(subject, [verb], target)
+                for target in self._entities(self.toks[verb.head]):
+                    self._add(subject, words, target)

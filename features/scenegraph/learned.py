@@ -49,19 +49,16 @@ def relabel(graph: SceneGraph, table: dict[tuple[str, str], str] = PREDICATES) -
     (:func:`features.scenegraph.lexicon.canonical_predicate`), then the learned predicate of
     every relation whose (predicate lemma, object head lemma) the table holds (in place;
     returned for chaining)."""
-    seen = set()
-    kept = []
+    kept = {}
     for r in graph.relations:
         head = graph.objects[r["object"]]["lemma"].split()[-1]
         lemma = canonical_predicate(r["lemma"])
         learned = table.get((lemma, head), lemma)
         if learned != r["lemma"]:
             r = {**r, "lemma": learned}
-        key = (r["subject"], r["lemma"], r["object"])
-        if key not in seen:  # "in a shirt" and "wearing a shirt" are one relation
-            seen.add(key)
-            kept.append(r)
-    graph.relations = kept
+        # "in a shirt" and "wearing a shirt" are one relation
+        kept.setdefault((r["subject"], r["lemma"], r["object"]), r)
+    graph.relations = list(kept.values())
     return graph
 
 

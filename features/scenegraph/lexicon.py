@@ -13,27 +13,11 @@ VERBS = ("VERB", "AUX")
 
 
 RELATIONAL_NOUNS = {
-    "front",
-    "top",
-    "left",
-    "right",
-    "side",
-    "middle",
-    "back",
-    "bottom",
-    "edge",
-    "center",
-    "centre",
-    "inside",
-    "outside",
-    "rear",
+    "front", "top", "left", "right", "side", "middle", "back", "bottom", "edge", "center",
+    "centre", "inside", "outside", "rear",
     # "at the end of", "in the corner of", "on both sides of" (FACTUAL: "in end of", ...)
-    "end",
-    "corner",
-    "sides",
-    "ends",
-    "corners",
-}
+    "end", "corner", "sides", "ends", "corners",
+}  # fmt: skip
 
 
 FRAME_NOUNS = {"image", "picture", "photo", "photograph", "view", "shot", "scene", "closeup"}
@@ -45,47 +29,16 @@ QUANTITY_NOUNS = {"couple", "lot", "lots", "number", "pair", "variety", "assortm
 
 # "a herd of elephants walking": the herd is an object, the elephants walk
 COLLECTIVE_NOUNS = {
-    "group",
-    "herd",
-    "flock",
-    "crowd",
-    "bunch",
-    "pack",
-    "line",
-    "row",
-    "pile",
-    "stack",
-    "cluster",
-    "fleet",
-    "swarm",
-    "troop",
-    "family",
-    "team",
-    "collection",
-}
+    "group", "herd", "flock", "crowd", "bunch", "pack", "line", "row", "pile", "stack",
+    "cluster", "fleet", "swarm", "troop", "family", "team", "collection",
+}  # fmt: skip
 
 
 # adjectives that count or compare rather than describe
 QUANTIFIERS = {
-    "several",
-    "many",
-    "few",
-    "some",
-    "other",
-    "various",
-    "different",
-    "same",
-    "own",
-    "such",
-    "much",
-    "more",
-    "most",
-    "multiple",
-    "numerous",
-    "certain",
-    "each",
-    "every",
-}
+    "several", "many", "few", "some", "other", "various", "different", "same", "own",
+    "such", "much", "more", "most", "multiple", "numerous", "certain", "each", "every",
+}  # fmt: skip
 
 
 # words that shade the colour after them: "dark green" is one attribute (FACTUAL's
@@ -95,49 +48,19 @@ SHADES = {"dark", "light", "bright", "pale", "deep", "navy", "lime", "neon", "ro
 
 # colour words the tagger often reads as noun compounds ("an orange rhombus"): attributes
 COLOURS = {
-    "red",
-    "orange",
-    "yellow",
-    "green",
-    "blue",
-    "purple",
-    "violet",
-    "pink",
-    "brown",
-    "black",
-    "white",
-    "gray",
-    "grey",
-    "silver",
-    "golden",
-    "tan",
-    "beige",
-    "maroon",
-    "crimson",
-    "navy",
-    "teal",
-    "turquoise",
-}
+    "red", "orange", "yellow", "green", "blue", "purple", "violet", "pink", "brown",
+    "black", "white", "gray", "grey", "silver", "golden", "tan", "beige", "maroon",
+    "crimson", "navy", "teal", "turquoise",
+}  # fmt: skip
 
 
 # adjective-noun names that are one object, not an attribute and an object
 LEXICAL_COMPOUNDS = {
-    ("hot", "dog"),
-    ("polar", "bear"),
-    ("teddy", "bear"),
-    ("remote", "control"),
-    ("high", "chair"),
-    ("double", "decker"),
-    ("living", "room"),
-    ("dining", "room"),
-    ("dining", "table"),
-    ("cutting", "board"),
-    ("swimming", "pool"),
-    ("waiting", "room"),
-    ("french", "fry"),
-    ("hard", "hat"),
-    ("wet", "suit"),
-}
+    ("hot", "dog"), ("polar", "bear"), ("teddy", "bear"), ("remote", "control"),
+    ("high", "chair"), ("double", "decker"), ("living", "room"), ("dining", "room"),
+    ("dining", "table"), ("cutting", "board"), ("swimming", "pool"), ("waiting", "room"),
+    ("french", "fry"), ("hard", "hat"), ("wet", "suit"),
+}  # fmt: skip
 
 
 # words that start a phrasal preposition: "next to", "close to", "away from", "out of"
@@ -146,25 +69,9 @@ PHRASE_WORDS = {"next", "close", "adjacent", "near", "ahead", "away", "out", "of
 
 # verbs whose prepositional phrase places the direct object: "put a pizza into the oven"
 PLACING_VERBS = {
-    "put",
-    "place",
-    "set",
-    "lay",
-    "hang",
-    "pour",
-    "throw",
-    "toss",
-    "drop",
-    "swing",
-    "kick",
-    "hit",
-    "stick",
-    "stack",
-    "load",
-    "spread",
-    "sprinkle",
-    "insert",
-}
+    "put", "place", "set", "lay", "hang", "pour", "throw", "toss", "drop", "swing", "kick",
+    "hit", "stick", "stack", "load", "spread", "sprinkle", "insert",
+}  # fmt: skip
 
 
 SUBJECT_PREPOSITIONS = {"with", "without", "of", "for", "by", "like", "during"}  # never placing
@@ -188,51 +95,13 @@ def canonical_predicate(lemma: str) -> str:
 
 # nouns ending in -ing that are things, not participles the tagger took for nouns
 ING_NOUNS = {
-    "building",
-    "ceiling",
-    "railing",
-    "painting",
-    "drawing",
-    "clothing",
-    "wedding",
-    "icing",
-    "frosting",
-    "topping",
-    "filling",
-    "stuffing",
-    "dressing",
-    "pudding",
-    "dumpling",
-    "awning",
-    "siding",
-    "bedding",
-    "seating",
-    "lighting",
-    "landing",
-    "opening",
-    "crossing",
-    "parking",
-    "housing",
-    "flooring",
-    "shelving",
-    "carving",
-    "morning",
-    "evening",
-    "string",
-    "ring",
-    "earring",
-    "wing",
-    "king",
-    "thing",
-    "swing",
-    "spring",
-    "sling",
-    "offering",
-    "serving",
-    "setting",
-    "clearing",
-    "recording",
-}
+    "building", "ceiling", "railing", "painting", "drawing", "clothing", "wedding", "icing",
+    "frosting", "topping", "filling", "stuffing", "dressing", "pudding", "dumpling",
+    "awning", "siding", "bedding", "seating", "lighting", "landing", "opening", "crossing",
+    "parking", "housing", "flooring", "shelving", "carving", "morning", "evening", "string",
+    "ring", "earring", "wing", "king", "thing", "swing", "spring", "sling", "offering",
+    "serving", "setting", "clearing", "recording",
+}  # fmt: skip
 
 
 OBJECT_DEPS = frozenset(("dobj", "obj", "attr", "oprd", "dative"))
@@ -289,6 +158,13 @@ def verb_lemma(text: str, lemma: str, verbs: Collection[str] | None) -> str:
             if lemma == stem and _cvc(stem) and stem + "e" in verbs:
                 return stem + "e"
     return lemma
+
+
+def attribute_lemma(t) -> str:
+    """The lemma of an attribute word (a token): participles and numbers keep their form
+    ("parked", "two"), adjectives their lemma."""
+    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
+    return t.text if participle or t.pos == "NUM" else t.lemma
 
 
 def participle_lemma(text: str, verbs: Collection[str] | None) -> str | None:

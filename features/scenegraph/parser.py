@@ -55,9 +55,7 @@ class Parser:
                 lookups = getattr(nlp.get_pipe("lemmatizer"), "lookups", None)
                 if lookups is not None and lookups.has_table("lemma_index"):
                     index = lookups.get_table("lemma_index")
-                    exceptions = {}
-                    if lookups.has_table("lemma_exc"):
-                        exceptions = dict(lookups.get_table("lemma_exc").get("noun", {}))
+                    exceptions = dict(lookups.get_table("lemma_exc", {}).get("noun", {}))
                     parser = cls(index.get("verb", []), index.get("noun", []), exceptions)
             parsers = _PARSERS[nlp] = {"off": parser}
             model = EdgeModel.load()
@@ -108,10 +106,8 @@ class Parser:
         for t in toks:
             head = toks[t.head]
             dep = t.dep
-            if dep in ("nsubj", "nsubjpass"):
-                # "the street is lined with": the subject hangs on the auxiliary
-                if head.dep in ("aux", "auxpass"):
-                    t.head = head.head
+            if dep in ("nsubj", "nsubjpass") and head.dep in ("aux", "auxpass"):
+                t.head = head.head  # "the street is lined with": the subject hangs on the auxiliary
             elif dep == "npadvmod" and t.pos in NOUNS and head.tag == "VBG" and t.i < head.i:
                 # "baby laying on a blanket": the noun before a participle is its subject
                 if head.dep == "ROOT" and not any(

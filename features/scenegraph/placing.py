@@ -22,7 +22,7 @@ class Placing:
         toks = self.toks
         pobjs = self._children(prep, "pobj")
         if pobjs and self._is_relational(pobjs[0]):  # "on top of it"
-            of = next(c for c in self._children(pobjs[0], "prep") if c.text == "of")
+            of = self._of(pobjs[0])
             words = [*words, pobjs[0], of]
             pobjs = self._children(of, "pobj")
         if not any(p.text in ("it", "them") for p in pobjs):

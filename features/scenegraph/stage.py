@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 from pydantic import Field
 
 from features.scenegraph.builder import SceneGraph
+from features.scenegraph.factual import prf
 from features.scenegraph.learned import caption_text
 from features.scenegraph.parser import Parser
 from infra.config import Section, UserError
@@ -35,31 +36,15 @@ class ScenegraphConfig(Section):
 # Components the rules read: tokens, tags (tagger; attribute_ruler maps them to POS, which
 # the rule lemmatizer needs), the dependency parse and lemmas. Everything else is excluded.
 NEEDED_COMPONENTS = (
-    "transformer",
-    "tok2vec",
-    "tagger",
-    "morphologizer",
-    "parser",
-    "attribute_ruler",
-    "lemmatizer",
-    "trainable_lemmatizer",
-)
+    "transformer", "tok2vec", "tagger", "morphologizer", "parser", "attribute_ruler",
+    "lemmatizer", "trainable_lemmatizer",
+)  # fmt: skip
 
 
 UNNEEDED_COMPONENTS = (
-    "ner",
-    "senter",
-    "sentencizer",
-    "entity_ruler",
-    "entity_linker",
-    "span_ruler",
-    "spancat",
-    "span_finder",
-    "textcat",
-    "textcat_multilabel",
-    "coref",
-    "span_resolver",
-)
+    "ner", "senter", "sentencizer", "entity_ruler", "entity_linker", "span_ruler", "spancat",
+    "span_finder", "textcat", "textcat_multilabel", "coref", "span_resolver",
+)  # fmt: skip
 
 
 # A model name and the packages that provide it, preferred first: spaCy's official package,
@@ -197,17 +182,11 @@ def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
     fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
     scores = {}
     for k, name in enumerate(("objects", "attributes", "relations")):
-        tp = fp = fn = 0
+        counts = Counter()
         for p, g in zip(predicted, gold, strict=True):
             got, want = p.lemma_tuples()[k], g[k]
-            tp, fp, fn = tp + len(got & want), fp + len(got - want), fn + len(want - got)
-        precision = tp / max(tp + fp, 1)
-        recall = tp / max(tp + fn, 1)
-        scores[name] = {
-            "precision": round(precision, 4),
-            "recall": round(recall, 4),
-            "f1": round(2 * precision * recall / max(precision + recall, 1e-9), 4),
-        }
+            counts.update(tp=len(got & want), fp=len(got - want), fn=len(want - got))
+        scores[name] = prf(counts)
     exact = sum(p.lemma_tuples() == g for p, g in zip(predicted, gold, strict=True))
     scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
     return scores
@@ -216,11 +195,10 @@ def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
 def negative_vocab(rows: list[dict], splits: list[str]) -> dict[str, dict[str, int]]:
     """UniVSE's negative-sampling vocabularies from train captions: object nouns,
     attributes and relations (lemmas) with their counts, most frequent first."""
-    counts = {"nouns": Counter(), "adjectives": Counter(), "relations": Counter()}
+    fields = {"nouns": "objects", "adjectives": "attributes", "relations": "relations"}
+    counts = {k: Counter() for k in fields}
     for row, split in zip(rows, splits, strict=True):
-        if split != "train":
-            continue
-        counts["nouns"].update(o["lemma"] for o in row["objects"])
-        counts["adjectives"].update(a["lemma"] for a in row["attributes"])
-        counts["relations"].update(r["lemma"] for r in row["relations"])
+        if split == "train":
+            for k, field in fields.items():
+                counts[k].update(x["lemma"] for x in row[field])
     return {k: dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) for k, c in counts.items()}

@@ -30,10 +30,9 @@ from features.scenegraph.edges import (
     EdgeModel,
     Vocabulary,
     ancestors,
-    attribute_candidates,
-    attribute_features,
+    attribute_inputs,
     pipeline_of,
-    relation_features,
+    relation_inputs,
     token_rows,
 )
 from features.scenegraph.factual import (
@@ -93,25 +92,17 @@ def examples(record, gold, lemma) -> tuple[list, list] | None:
             relation_labels.setdefault((by_key[s], by_key[o]), p)
     attributes = {(s, NUMBERS.get(a, a)) for s, a in want["attributes"]}
     chains = ancestors(toks)
-    by_pair: dict = {}
-    for r in graph["relations"]:
-        by_pair.setdefault((r["subject"], r["object"]), r["lemma"])
-    relations = []
-    for i in heads:
-        for j in heads:
-            if i != j:
-                rule = by_pair.get((index[i], index[j]), "")
-                back = by_pair.get((index[j], index[i]), "")
-                fields, bag = relation_features(toks, chains, i, j, rule, back)
-                relations.append(((i, j), fields, bag, relation_labels.get((i, j), "")))
-    made = {(a["object"], a["attribute"]) for a in graph["attributes"]}
+    relations = [
+        (pair, fields, bag, relation_labels.get(pair, ""))
+        for pair, fields, bag in relation_inputs(toks, chains, heads, index, graph["relations"])
+    ]
     attrs = []
-    for h in heads:
-        for m in attribute_candidates(toks, index, name_words):
-            word = lemma(toks[m].text, "ADJ")
-            label = (key[h], NUMBERS.get(word, word)) in attributes
-            fields, bag = attribute_features(toks, chains, m, h, (index[h], toks[m].text) in made)
-            attrs.append(((m, h), fields, bag, int(label)))
+    for (m, h), fields, bag in attribute_inputs(
+        toks, chains, heads, index, name_words, graph["attributes"]
+    ):
+        word = lemma(toks[m].text, "ADJ")
+        label = (key[h], NUMBERS.get(word, word)) in attributes
+        attrs.append(((m, h), fields, bag, int(label)))
     return relations, attrs
 
 
