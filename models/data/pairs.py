@@ -99,22 +99,21 @@ class PairData:
             ]
 
         info: dict = {}
-        if "image" in inputs:
-            info["image_dim"] = self.stores["global"].fields["features"].shape[-1]
-        if "regions" in inputs:
-            info["region_dim"] = self.stores["regions"].fields["features"].shape[-1]
-        if "grid" in inputs:
-            info["grid_dim"] = self.stores["grid"].fields["features"].shape[-1]
+        for use, key, role, name in (
+            ("image", "image_dim", "global", "features"),
+            ("regions", "region_dim", "regions", "features"),
+            ("grid", "grid_dim", "grid", "features"),
+            ("tokens", "token_dim", "text", "features"),
+            ("document", "document_dim", "text", "document"),
+        ):
+            if use in inputs:
+                info[key] = self.stores[role].fields[name].shape[-1]
         self.word_index: dict[str, int] = {}
         if inputs & {"words", "scene_graph", "tfidf"}:
             vocab = json.loads(need_path(paths.vocab, "--vocab", "the text vocabulary").read_text())
             self.word_index = {w: i for i, w in enumerate(vocab["words"])}
             info["vocab_size"] = len(vocab["words"])
             info["tfidf_dim"] = len(vocab["tfidf_terms"])
-        if "tokens" in inputs:
-            info["token_dim"] = self.stores["text"].fields["features"].shape[-1]
-        if "document" in inputs:
-            info["document_dim"] = self.stores["text"].fields["document"].shape[-1]
         if "labels" in inputs:
             names = manifest.class_names
             if not names:
