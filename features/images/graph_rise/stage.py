@@ -136,10 +136,6 @@ def _ratio(precision: dict | None) -> float | None:
     return precision["trained"] / precision["pca"] if precision and "pca" in precision else None
 
 
-def _digest(data) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
 def train_graph_rise(
     manifest: Manifest,
     global_path: Path,
@@ -232,7 +228,7 @@ def train_graph_rise(
         "config": cfg.model_dump(
             mode="json", exclude={"device", "precision_k", "output", "compare_alpha"}
         ),
-        "labels": _digest(vocabulary),
+        "labels": hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest(),
         "graph": hashlib.sha256(weight.tobytes() + src.tobytes() + dst.tobytes()).hexdigest(),
         "features": inputs.fingerprint,
         "global": source.fingerprint,
