@@ -166,13 +166,10 @@ def finish(batch: dict, stats: dict, alloc=None) -> dict:
 
 def floored_std(std: np.ndarray, ratio: float = 0.1) -> np.ndarray:
     """Per-dimension ``std`` floored at ``ratio`` of the typical (root-mean-square) one, so
-    that standardising scales no dimension up more than ``1 / ratio`` times the others.
-
-    A dimension that barely varies on train (a ReLU unit of the detector's box head that
-    never fires there) must not dominate when it fires on a test image: with the earlier
-    floor of 1e-3 of the mean std, one such region value became ~500 standard units, and
-    that one test image was the nearest of every caption (the demo's MV-VSE and CAMERA
-    text-to-image R@1 sat at 1.0%, its five captions)."""
+    that standardising scales no dimension up more than ``1 / ratio`` times the others: a
+    dimension that barely varies on train (a ReLU unit of the detector's box head that
+    never fires there) must not dominate when it fires on a test image (a floor of 1e-3
+    made one such test image the nearest of every caption)."""
     return np.maximum(std, ratio * np.sqrt(np.mean(np.square(std))) + 1e-12)
 
 
