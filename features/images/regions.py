@@ -112,10 +112,10 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
 def _load_imagenet_trunk(model: nn.Module, obj: dict, path: str, arch: str) -> None:
     """ImageNet weights into the detector's trunk (``backbone.body``; for C4 also the res5
     box head), as Anderson et al. initialised theirs; the rest stays random."""
-    state, what = trunk_state(obj, "regions.weights"), f"the trunk of the regions detector ({arch})"
-    load_trunk(
-        model, state, arch.endswith("_c4"), "regions.weights", what, f"{path} ({describe(obj)})"
-    )
+    state = trunk_state(obj, "regions.weights")
+    what = f"the trunk of the regions detector ({arch})"
+    source = f"{path} ({describe(obj)})"
+    load_trunk(model, state, arch.endswith("_c4"), "regions.weights", what, source)
     warnings.warn(
         f"regions: {path} initialises only the trunk of {arch}; the RPN and the box "
         "predictor are RANDOM, so regions and scores are meaningless until it is trained "
