@@ -111,11 +111,6 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _xywh(record: dict, keys) -> list[float] | None:
-    values = [record.get(k) for k in keys]
-    return [float(v) for v in values] if all(_number(v) for v in values) else None
-
-
 def _load_json(path: Path, what: str):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
@@ -323,12 +318,11 @@ def read_visual_genome(
                 problem(where, "malformed_names", f"names {str(names)[:80]}: expected a list "
                         "of strings")  # fmt: skip
                 continue
-            box = _xywh(obj, ("x", "y", "w", "h"))
-            if box is None:
-                shown = {k: obj.get(k) for k in ("x", "y", "w", "h")}
+            shown = {k: obj.get(k) for k in ("x", "y", "w", "h")}
+            if not all(map(_number, shown.values())):
                 problem(where, "malformed_box", f"{shown}: x, y, w, h must be numbers")
                 continue
-            x, y, w, h = box
+            x, y, w, h = map(float, shown.values())
             names = [n for n in names if n.strip()]
             if not names or not _valid_box(x, y, x + w, y + h):
                 dropped["degenerate_boxes" if names else "unnamed_boxes"] += 1

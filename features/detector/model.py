@@ -82,14 +82,9 @@ class ResNetTrunk(nn.Module):
     def __init__(self, depth: int, stages: int = 4, zero_init_residual: bool = False):
         super().__init__()
         resnet = make_resnet(depth, zero_init_residual)
-        self.conv1, self.bn1, self.relu, self.maxpool = (
-            resnet.conv1,
-            resnet.bn1,
-            resnet.relu,
-            resnet.maxpool,
-        )
-        for k in range(1, stages + 1):
-            setattr(self, f"layer{k}", getattr(resnet, f"layer{k}"))
+        layers = [f"layer{k}" for k in range(1, stages + 1)]
+        for name in ("conv1", "bn1", "relu", "maxpool", *layers):
+            setattr(self, name, getattr(resnet, name))
         self.stages = stages
         self.dim = stage_dims(depth)[stages - 1]
 
@@ -232,13 +227,6 @@ class BottomUpRoIHeads(RoIHeads):
         return F.softmax(self.attribute_head(pooled, classes), dim=1)
 
 
-def _to_bottom_up(heads: RoIHeads, attribute_head: AttributeHead | None) -> BottomUpRoIHeads:
-    """The same heads, as :class:`BottomUpRoIHeads` with ``attribute_head``."""
-    heads.__class__ = BottomUpRoIHeads
-    heads.attribute_head = attribute_head
-    return heads
-
-
 def build_detector_model(
     cfg: DetectorConfig, num_classes: int, num_attributes: int = 0, zero_init_residual=False
 ) -> FasterRCNN:
@@ -303,12 +291,12 @@ def build_detector_model(
             **rpn,
         )
     dim = model.roi_heads.box_predictor.cls_score.in_features
-    attr = None
-    if num_attributes:
-        attr = AttributeHead(
-            dim, num_classes, num_attributes, cfg.class_embedding, cfg.attribute_hidden
-        )
-    _to_bottom_up(model.roi_heads, attr)
+    model.roi_heads.__class__ = BottomUpRoIHeads  # the same heads, plus the attribute head
+    model.roi_heads.attribute_head = (
+        AttributeHead(dim, num_classes, num_attributes, cfg.class_embedding, cfg.attribute_hidden)
+        if num_attributes
+        else None
+    )
     if cfg.image_loss_weight > 0:
         trunk_dim = stage_dims(resnet_depth(arch))[3]
         model.image_head = ImageHead(trunk_dim, num_classes - 1 + num_attributes)

@@ -56,6 +56,7 @@ from features.detector.weights import (
     checkpoint_format,
     describe,
     load_exact,
+    load_trunk,
     read_checkpoint,
     trunk_state,
 )
@@ -87,12 +88,7 @@ def _initialise(model: nn.Module, cfg: DetectorConfig, log: Callable[[str], None
     source = f"{cfg.init_weights} ({describe(obj)})"
     what = f"the detector ({cfg.architecture})"
     if fmt == "classification":
-        state = trunk_state(obj, param)
-        if cfg.is_c4:
-            head = {k[7:]: v for k, v in state.items() if k.startswith("layer4.")}
-            load_exact(model.roi_heads.box_head.layer4, head, param, what, source)
-            state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
-        load_exact(model.backbone.body, state, param, what, source)
+        load_trunk(model, trunk_state(obj, param), cfg.is_c4, param, what, source)
     elif fmt in ("detection", "vse-detector"):
         state = obj["state_dict"] if fmt == "vse-detector" else obj
         own = model.state_dict()
@@ -168,7 +164,7 @@ def train_detector(
     ``progress(total=n)`` gives a bar (``update(k)``, ``close()``) per epoch.
     """
     out_dir = Path(out_dir)
-    train_images, val_images = dataset.split("train"), dataset.split("val")
+    train_images = dataset.split("train")
     if len(train_images) < cfg.batch_size:
         raise DetectorTrainingError(
             f"{len(train_images)} train images with boxes cannot fill one batch of "
@@ -178,25 +174,13 @@ def train_detector(
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
     try:
-        return _train(
-            dataset,
-            train_images,
-            val_images,
-            images_root,
-            cfg,
-            out_dir,
-            device,
-            resume,
-            log,
-            progress,
-        )
+        return _train(dataset, images_root, cfg, out_dir, device, resume, log, progress)
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
 
-def _train(
-    dataset, train_images, val_images, images_root, cfg, out_dir, device, resume, log, progress
-) -> dict:
+def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) -> dict:
+    train_images, val_images = dataset.split("train"), dataset.split("val")
     classes, attributes = dataset.classes, dataset.attributes
     torch.manual_seed(cfg.seed)
     model = build_detector_model(cfg, len(classes) + 1, len(attributes))

@@ -253,6 +253,16 @@ def load_exact(module: nn.Module, state: dict, param: str, what: str, obj_desc: 
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
 
 
+def load_trunk(model: nn.Module, state: dict, c4: bool, param: str, what: str, source: str):
+    """A ResNet trunk's weights (:func:`trunk_state`) into a detector's ``backbone.body``;
+    for C4 its ``layer4`` goes to the res5 box head."""
+    if c4:
+        head = {k[len("layer4.") :]: v for k, v in state.items() if k.startswith("layer4.")}
+        load_exact(model.roi_heads.box_head.layer4, head, param, what, source)
+        state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
+    load_exact(model.backbone.body, state, param, what, source)
+
+
 def trunk_state(obj: dict, param: str) -> dict:
     """The ResNet trunk's weights (torchvision classification names, no ``fc``) of any
     recognised checkpoint: classification, detection (``backbone.body.*`` plus a C4

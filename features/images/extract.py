@@ -174,6 +174,7 @@ def extract_images(
     start_all = time.perf_counter()
     writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)
     fields = writer.fields
+    dtypes = {name: spec.dtype for name, spec in fields.items()}
     with writer:
         pending = writer.pending_shards()
         order = [i for shard in pending for i in range(*writer.shard_range(shard))]
@@ -208,12 +209,9 @@ def extract_images(
             tick = time.perf_counter()
             results = extractor(good) if good else []
             timing.infer += time.perf_counter() - tick
-            dtypes = {name: spec.dtype for name, spec in fields.items()}
             for item, result in zip(good, results, strict=True):
-                bad = nonfinite_fields(result, dtypes)
-                if bad:  # stored empty and reported, like a bad image
-                    fields_list = ", ".join(bad)
-                    item["error"] = (NON_FINITE, f"{fields_list}: NaN or infinite values")
+                if bad := nonfinite_fields(result, dtypes):  # stored empty and reported
+                    item["error"] = (NON_FINITE, f"{', '.join(bad)}: NaN or infinite values")
                     continue
                 if short := _short_of_min_boxes(extractor, result):
                     if short[0] == NO_REGIONS:  # nothing to train on: stored empty

@@ -7,9 +7,7 @@ import warnings
 
 import numpy as np
 
-from features.detector.weights import (
-    WeightsError,
-)
+from features.detector.weights import WeightsError
 from features.images.config import ExtractConfig
 from features.store.spec import FieldSpec
 

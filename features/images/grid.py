@@ -13,10 +13,7 @@ from torch import nn
 
 from features.decode import centre_crop_resize
 from features.detector.inputs import to_tensor
-from features.detector.model import (
-    ResNetTrunk,
-    resnet_depth,
-)
+from features.detector.model import ResNetTrunk, resnet_depth
 from features.detector.weights import (
     checkpoint_format,
     describe,

@@ -27,25 +27,18 @@ from torchvision.models.detection.image_list import ImageList
 
 from features.detector.config import DetectorConfig
 from features.detector.inputs import batch_images, resize_for_detection, to_tensor
-from features.detector.model import (
-    build_detector_model,
-    model_from_checkpoint,
-)
+from features.detector.model import build_detector_model, model_from_checkpoint
 from features.detector.weights import (
     WeightsError,
     checkpoint_format,
     describe,
     load_exact,
+    load_trunk,
     read_checkpoint,
     trunk_state,
 )
 from features.images.config import RegionsConfig
-from features.images.extractor import (
-    check_conflict,
-    feature_params,
-    warn_random_init,
-    zeros,
-)
+from features.images.extractor import check_conflict, feature_params, warn_random_init, zeros
 from features.images.select import butd_select
 from features.store.spec import FieldSpec
 from infra.device import autocast
@@ -120,13 +113,9 @@ def _load_imagenet_trunk(model: nn.Module, obj: dict, path: str, arch: str) -> N
     """ImageNet weights into the detector's trunk (``backbone.body``; for C4 also the res5
     box head), as Anderson et al. initialised theirs; the rest stays random."""
     state = trunk_state(obj, "regions.weights")
-    source = f"{path} ({describe(obj)})"
     what = f"the trunk of the regions detector ({arch})"
-    if arch.endswith("_c4"):
-        head = {k[len("layer4.") :]: v for k, v in state.items() if k.startswith("layer4.")}
-        state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
-        load_exact(model.roi_heads.box_head.layer4, head, "regions.weights", what, source)
-    load_exact(model.backbone.body, state, "regions.weights", what, source)
+    source = f"{path} ({describe(obj)})"
+    load_trunk(model, state, arch.endswith("_c4"), "regions.weights", what, source)
     warnings.warn(
         f"regions: {path} initialises only the trunk of {arch}; the RPN and the box "
         "predictor are RANDOM, so regions and scores are meaningless until it is trained "
@@ -167,7 +156,12 @@ class RegionExtractor:
     def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
         """In a DataLoader worker: resize and normalise; scale given boxes alike."""
         resized, scale = resize_for_detection(image, self.cfg.min_side, self.cfg.max_side)
-        item = {"image": to_tensor(resized), "scale": scale, "hw": image.size[::-1]}
+        return self._given_boxes({"image": to_tensor(resized), "scale": scale}, image, row)
+
+    def _given_boxes(self, item: dict, image: Image.Image, row: dict) -> dict:
+        """``item`` with the image's height and width and, with ``given`` boxes, the first
+        ``max_boxes`` of the manifest row's boxes (original-image pixels)."""
+        item["hw"] = image.size[::-1]
         if self.given:
             boxes = np.asarray(row.get("boxes") or np.zeros((0, 4)), dtype=np.float32)
             item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)

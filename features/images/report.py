@@ -4,6 +4,7 @@ manifest's ground-truth boxes."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,9 +46,7 @@ def report_bad_images(
         else:
             report.error(key, reason, detail)
     write_errors(report, errors)
-    counts: dict[str, int] = {}
-    for issue in report.errors + report.warnings:
-        counts[issue.reason] = counts.get(issue.reason, 0) + 1
+    counts = dict(Counter(issue.reason for issue in report.errors + report.warnings))
     summary = {
         "images": n,
         "bad_images": len(report.errors),
@@ -92,10 +91,8 @@ def region_recall(store_path: Path, manifest: Manifest, iou: float = 0.5) -> dic
             found = int((overlaps.max(dim=1).values >= iou).sum())
         for key in (splits[i], "all"):
             c = counts.setdefault(key, [0, 0, 0, 0])
-            c[0] += 1
-            c[1] += n
-            c[2] += len(gt or [])
-            c[3] += found
+            for j, add in enumerate((1, n, len(gt or []), found)):
+                c[j] += add
     return {
         split: {
             "images": c[0],

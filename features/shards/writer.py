@@ -89,28 +89,17 @@ def build_shards(
     first and get the new one last, so readers never take a half-written set."""
     from infra.files import atomic_path
 
-    if "://" not in str(out):
-        out = Path(out)
-        if out.exists() and not _is_shards_folder(out):
-            raise StoreError(
-                f"{out} exists and is not a shards folder (no {SIZES}, or files other than "
-                "shards); remove it or choose another --out"
-            )
-        with atomic_path(out, directory=True) as tmp:
-            return _build(
-                manifest, stores, tmp, cfg, progress, text, scene_graphs, scene_graphs_digest, None
-            )
-    return _build(
-        manifest,
-        stores,
-        out,
-        cfg,
-        progress,
-        text,
-        scene_graphs,
-        scene_graphs_digest,
-        storage_options,
-    )
+    args = (manifest, stores, cfg, progress, text, scene_graphs, scene_graphs_digest)
+    if "://" in str(out):
+        return _build(*args, out, storage_options)
+    out = Path(out)
+    if out.exists() and not _is_shards_folder(out):
+        raise StoreError(
+            f"{out} exists and is not a shards folder (no {SIZES}, or files other than "
+            "shards); remove it or choose another --out"
+        )
+    with atomic_path(out, directory=True) as tmp:
+        return _build(*args, tmp, None)
 
 
 def _is_shards_folder(folder: Path) -> bool:
@@ -122,7 +111,7 @@ def _is_shards_folder(folder: Path) -> bool:
 
 
 def _build(
-    manifest, stores, out, cfg, progress, text, scene_graphs, scene_graphs_digest, storage_options
+    manifest, stores, cfg, progress, text, scene_graphs, scene_graphs_digest, out, storage_options
 ) -> dict:
     import fsspec
 
@@ -210,9 +199,8 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
             if graphs is not None:
                 meta["scene_graphs"] = [graphs.get(c) for c in captions]
             _add(tar, index, f"{key}.meta.json", json.dumps(meta, sort_keys=True).encode())
-            image_keys = [r["key"] for r in group]
             for name, store in stores.items():
-                rows = [store.index(k) for k in image_keys]
+                rows = [store.index(k) for k in meta["keys"]]
                 _add_fields(tar, index, f"{key}.{member_name(name)}", store, rows)
             if text is not None:
                 _add_fields(tar, index, f"{key}.text", text, [caption_rows[c] for c in captions])

@@ -68,9 +68,7 @@ class _Running:
         self.within &= bool((diff <= atol + rtol * np.abs(y)).all())
 
     def result(self, name: str, dtype: str) -> FieldDiff:
-        return FieldDiff(
-            name, dtype, self.values, self.differing, self.max_abs, self.max_rel, self.within
-        )
+        return FieldDiff(name, dtype, **asdict(self))
 
 
 def _check_comparable(a: Store, b: Store, fields: Sequence[str] | None) -> list[str]:

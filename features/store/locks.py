@@ -13,10 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def utc_now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-
-
 def same_file(handle, path: Path) -> bool:
     """Whether an open file is still the one at ``path`` (not unlinked or replaced)."""
     try:
@@ -26,10 +22,7 @@ def same_file(handle, path: Path) -> bool:
 
 
 def take_lock(
-    path: Path,
-    refused: Callable[[str], Exception],
-    shared: bool = False,
-    label: str = "",
+    path: Path, refused: Callable[[str], Exception], shared: bool = False, label: str = ""
 ):
     """``flock`` ``path`` without waiting (shared or exclusive) and return its open file.
 
@@ -38,7 +31,8 @@ def take_lock(
     a shared one adds ``label`` and its line. A lock taken on a file that was unlinked
     meanwhile (an exclusive writer removes ``.lock`` when it closes) protects nothing, so
     it is taken again on the file now at ``path``."""
-    me = f"{label}pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
+    since = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    me = f"{label}pid {os.getpid()} on {socket.gethostname()} since {since}"
     while True:
         handle = open(path, "a+")
         try:

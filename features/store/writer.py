@@ -363,14 +363,7 @@ class StoreWriter:
         for rel, checksum in files.items():
             if not checksum:
                 files[rel] = file_checksum((self.path / rel).read_bytes())
-        marker = {
-            "shard": shard,
-            "start": start,
-            "stop": stop,
-            "rows": rows,
-            "files": files,
-            "notes": notes,
-        }
+        marker = dict(shard=shard, start=start, stop=stop, rows=rows, files=files, notes=notes)
         self._write_marker(shard, json.dumps(marker, sort_keys=True))
         self.committed.add(shard)
 

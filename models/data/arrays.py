@@ -33,32 +33,21 @@ def _pad_phrases(rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def _pad_index(rows: list[list[int]], n: int) -> np.ndarray:
-    out = np.zeros((len(rows), n), dtype=np.int64)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = row
-    return out
-
-
 def scene_graph_batch(graphs: Sequence[dict], index: dict[str, int]) -> dict[str, torch.Tensor]:
     """Scene graphs (rows of scenegraphs.parquet) -> the padded component tensors."""
-    objects = [[phrase_ids(o["span"], index) for o in g["objects"]] for g in graphs]
-    attributes = [[phrase_ids(a["attribute"], index) for a in g["attributes"]] for g in graphs]
-    relations = [[phrase_ids(r["relation"], index) for r in g["relations"]] for g in graphs]
     out = {}
-    for name, rows in (("objects", objects), ("attributes", attributes), ("relations", relations)):
-        ids, mask = _pad_phrases(rows)
+    for name, text in (("objects", "span"), ("attributes", "attribute"), ("relations", "relation")):
+        ids, mask = _pad_phrases([[phrase_ids(c[text], index) for c in g[name]] for g in graphs])
         out[name], out[f"{name[:-1]}_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
-    n_attr, n_rel = out["attributes"].shape[1], out["relations"].shape[1]
-    out["attribute_objects"] = torch.from_numpy(
-        _pad_index([[a["object"] for a in g["attributes"]] for g in graphs], n_attr)
-    )
-    out["relation_subjects"] = torch.from_numpy(
-        _pad_index([[r["subject"] for r in g["relations"]] for g in graphs], n_rel)
-    )
-    out["relation_objects"] = torch.from_numpy(
-        _pad_index([[r["object"] for r in g["relations"]] for g in graphs], n_rel)
-    )
+    for key, component, field in (
+        ("attribute_objects", "attributes", "object"),
+        ("relation_subjects", "relations", "subject"),
+        ("relation_objects", "relations", "object"),
+    ):
+        pointers = np.zeros(out[component].shape[:2], dtype=np.int64)  # (B, N)
+        for b, g in enumerate(graphs):
+            pointers[b, : len(g[component])] = [item[field] for item in g[component]]
+        out[key] = torch.from_numpy(pointers)
     return out
 
 
@@ -177,13 +166,10 @@ def finish(batch: dict, stats: dict, alloc=None) -> dict:
 
 def floored_std(std: np.ndarray, ratio: float = 0.1) -> np.ndarray:
     """Per-dimension ``std`` floored at ``ratio`` of the typical (root-mean-square) one, so
-    that standardising scales no dimension up more than ``1 / ratio`` times the others.
-
-    A dimension that barely varies on train (a ReLU unit of the detector's box head that
-    never fires there) must not dominate when it fires on a test image: with the earlier
-    floor of 1e-3 of the mean std, one such region value became ~500 standard units, and
-    that one test image was the nearest of every caption (the demo's MV-VSE and CAMERA
-    text-to-image R@1 sat at 1.0%, its five captions)."""
+    that standardising scales no dimension up more than ``1 / ratio`` times the others: a
+    dimension that barely varies on train (a ReLU unit of the detector's box head that
+    never fires there) must not dominate when it fires on a test image (a floor of 1e-3
+    made one such test image the nearest of every caption)."""
     return np.maximum(std, ratio * np.sqrt(np.mean(np.square(std))) + 1e-12)
 
 

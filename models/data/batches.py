@@ -173,9 +173,6 @@ def _copied(value, pin: bool):
 # --------------------------------------------------------------------------- workers
 
 
-# --------------------------------------------------------------------------- workers
-
-
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
     """A worker process: builds the batches it is asked for into its arenas (one per
     slot) and answers with their layout (and an arena's new buffer when it grew)."""

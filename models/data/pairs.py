@@ -26,6 +26,8 @@ from models.data.arrays import (
 )
 from models.data.info import STATS_BLOCK, DataError, DataInfo, FeaturePaths, need_path
 
+TEXT_INPUTS = frozenset({"words", "tokens", "document", "tfidf"})  # read from the text store
+
 
 class PairData:
     """The images and captions of one split, read from the stores batch by batch.
@@ -70,18 +72,12 @@ class PairData:
 
         self.stores: dict[str, Store] = {}
         wanted = {
-            "global": ("image", paths.global_, "--global", "the global image store"),
-            "regions": ("regions", paths.regions, "--regions", "the region store"),
-            "grid": ("grid", paths.grid, "--grid", "the grid store"),
-            "text": (
-                {"words", "tokens", "document", "tfidf"},
-                paths.text,
-                "--text",
-                "the text store",
-            ),
+            "global": ({"image"}, paths.global_, "--global", "the global image store"),
+            "regions": ({"regions"}, paths.regions, "--regions", "the region store"),
+            "grid": ({"grid"}, paths.grid, "--grid", "the grid store"),
+            "text": (TEXT_INPUTS, paths.text, "--text", "the text store"),
         }
         for name, (uses, path, flag, what) in wanted.items():
-            uses = {uses} if isinstance(uses, str) else uses
             if uses & inputs:
                 self.stores[name] = Store.open(need_path(path, flag, what))
         if "boxes" in inputs and "boxes" not in self.stores["regions"].fields:
@@ -99,22 +95,21 @@ class PairData:
             ]
 
         info: dict = {}
-        if "image" in inputs:
-            info["image_dim"] = self.stores["global"].fields["features"].shape[-1]
-        if "regions" in inputs:
-            info["region_dim"] = self.stores["regions"].fields["features"].shape[-1]
-        if "grid" in inputs:
-            info["grid_dim"] = self.stores["grid"].fields["features"].shape[-1]
+        for use, key, role, name in (
+            ("image", "image_dim", "global", "features"),
+            ("regions", "region_dim", "regions", "features"),
+            ("grid", "grid_dim", "grid", "features"),
+            ("tokens", "token_dim", "text", "features"),
+            ("document", "document_dim", "text", "document"),
+        ):
+            if use in inputs:
+                info[key] = self.stores[role].fields[name].shape[-1]
         self.word_index: dict[str, int] = {}
         if inputs & {"words", "scene_graph", "tfidf"}:
             vocab = json.loads(need_path(paths.vocab, "--vocab", "the text vocabulary").read_text())
             self.word_index = {w: i for i, w in enumerate(vocab["words"])}
             info["vocab_size"] = len(vocab["words"])
             info["tfidf_dim"] = len(vocab["tfidf_terms"])
-        if "tokens" in inputs:
-            info["token_dim"] = self.stores["text"].fields["features"].shape[-1]
-        if "document" in inputs:
-            info["document_dim"] = self.stores["text"].fields["document"].shape[-1]
         if "labels" in inputs:
             names = manifest.class_names
             if not names:
@@ -277,7 +272,7 @@ class PairData:
         fake.captions = [r["caption"] for r in rows]
         fake.attacks = np.array([r["attack"] for r in rows])
         fake.caption_image = np.array([position[r["image"]] for r in rows], dtype=np.int64)
-        if self.inputs & {"words", "tokens", "document", "tfidf"}:
+        if self.inputs & TEXT_INPUTS:
             text = Store.open(need_path(store, "--adversarial", "the adversarial text store"))
             join_by_key({"text": self.stores["text"], "adversarial": text}, [])  # one manifest
             fake.stores["text"] = text

@@ -198,7 +198,7 @@ class ShardData:
                 kept = {(int(s), int(g)) for s, g in refs[:, :2]}
                 held = {k: v for k, v in held.items() if k in kept}
 
-    def _emit(self, held: dict, chosen: np.ndarray, alloc) -> dict:
+    def _emit(self, held: dict, chosen: np.ndarray, alloc) -> dict[str, np.ndarray]:
         """The batch of captions ``chosen`` ``(shard, group, caption)``, rows in storage
         order (a random set of captions: each group's rows are copied in one slice)."""
         from features.shards.reader import GroupColumns
@@ -221,18 +221,15 @@ class ShardData:
         inverse = inverse.reshape(-1)
         captions = caption_base[inverse] + chosen[:, 2]  # rows among the groups' captions
         rows = image_base[inverse] + flat_image[captions]  # rows among the groups' images
-        return self._batch(groups, images, text, rows, captions, alloc)
-
-    def _batch(self, held, images, text, rows, captions, alloc) -> dict[str, np.ndarray]:
         out = image_arrays(self.inputs, images, {role: rows for role in images}, alloc)
         if text is not None:
             out.update(text_arrays(self.inputs, text, captions, self.info.tfidf_dim, alloc))
-        index = np.concatenate([g.meta["index"] for g in held])[rows]
+        index = np.concatenate([g.meta["index"] for g in groups])[rows]
         if "labels" in self.inputs:
-            labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in held])
+            labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in groups])
             out["labels"] = out["text_labels"] = put(alloc, labels[rows])
         if "scene_graph" in self.inputs:
-            graphs = [graph for g in held for graph in g.meta["scene_graphs"]]
+            graphs = [graph for g in groups for graph in g.meta["scene_graphs"]]
             batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
             out.update({k: v.numpy() for k, v in batch.items()})
         out["caption_image"] = put(alloc, index)

@@ -55,15 +55,9 @@ class ButdRegionExtractor(RegionExtractor):
 
     def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
         resized, (sx, sy) = resize_caffe(image, self.cfg.min_side, self.cfg.max_side)
-        item = {
-            "image": to_caffe(resized, self.model.pixel_mean.cpu()),
-            "scale": torch.tensor([sx, sy, sx, sy]),
-            "hw": image.size[::-1],
-        }
-        if self.given:
-            boxes = np.asarray(row.get("boxes") or np.zeros((0, 4)), dtype=np.float32)
-            item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)
-        return item
+        image_tensor = to_caffe(resized, self.model.pixel_mean.cpu())
+        item = {"image": image_tensor, "scale": torch.tensor([sx, sy, sx, sy])}
+        return self._given_boxes(item, image, row)
 
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
         outputs = []

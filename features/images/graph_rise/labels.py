@@ -38,10 +38,7 @@ def graph_labels(graph: dict) -> set[tuple[str, str]]:
 
 def image_labels(graphs: Iterable[dict]) -> set[tuple[str, str]]:
     """The union of the labels of an image's captions' graphs."""
-    out: set[tuple[str, str]] = set()
-    for g in graphs:
-        out |= graph_labels(g)
-    return out
+    return set().union(*(graph_labels(g) for g in graphs))
 
 
 def label_vocabulary(per_image: Sequence[set[tuple[str, str]]], min_images: int) -> list[dict]:

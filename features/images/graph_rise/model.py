@@ -226,12 +226,7 @@ def train_head(
             x, m = (_tensor(a, device) for a in items.load(rows[batch]))  # (B, R, D), (B, R)
             h = model(x.float(), m.bool())  # (B, dim)
             l_s = label_loss(model.classifier(h), _tensor(targets[batch], device).float())
-            l_g = graph_regulariser(
-                h,
-                torch.from_numpy(src).to(device),
-                torch.from_numpy(dst).to(device),
-                torch.from_numpy(w).to(device),
-            ) / len(seeds)
+            l_g = graph_regulariser(h, *(_tensor(a, device) for a in (src, dst, w))) / len(seeds)
             loss = l_s + alpha * l_g
             if not torch.isfinite(loss):
                 raise GraphRiseTrainingError(

@@ -136,10 +136,6 @@ def _ratio(precision: dict | None) -> float | None:
     return precision["trained"] / precision["pca"] if precision and "pca" in precision else None
 
 
-def _digest(data) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
 def train_graph_rise(
     manifest: Manifest,
     global_path: Path,
@@ -232,7 +228,7 @@ def train_graph_rise(
         "config": cfg.model_dump(
             mode="json", exclude={"device", "precision_k", "output", "compare_alpha"}
         ),
-        "labels": _digest(vocabulary),
+        "labels": hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest(),
         "graph": hashlib.sha256(weight.tobytes() + src.tobytes() + dst.tobytes()).hexdigest(),
         "features": inputs.fingerprint,
         "global": source.fingerprint,
@@ -245,27 +241,14 @@ def train_graph_rise(
     fit_targets = targets[fit]  # (Nfit, L)
     if cfg.label_weighting == "idf":
         fit_targets = WeightedLabels(fit_targets, idf_weights(fit_targets))
-    model, history = train_head(
-        items,
-        fit,
-        fit_targets,
-        g,
-        cfg,
-        cfg.alpha,
-        identity,
-        model_dir,
-        resume,
-        device,
-        log,
-    )
+    data_args = (items, fit, fit_targets, g, cfg)  # the same data for both heads
+    model, history = train_head(*data_args, cfg.alpha, identity, model_dir, resume, device, log)
     save_torch({**identity, "state_dict": model.state_dict(), "history": history}, model_dir / HEAD)
     embedding = np.zeros((len(keys), cfg.dim), np.float32)  # zeros where invalid
     embedding[valid] = embed(model, items, np.flatnonzero(valid))
 
     other = 0.0 if cfg.alpha > 0 else cfg.compare_alpha
-    compared, _ = train_head(
-        items, fit, fit_targets, g, cfg, other, identity, None, False, device, log
-    )
+    compared, _ = train_head(*data_args, other, identity, None, False, device, log)
     k = cfg.precision_k
 
     def precision(rows: np.ndarray) -> dict[str, float]:
