@@ -248,7 +248,7 @@ def _prep_phrase(cap: Caption, head: int, prep_words: tuple[str, ...]) -> int:
     return p
 
 
-def _background(cap: Caption, rng: np.random.Generator, head: int, texture: str, subjects) -> None:
+def _background(cap: Caption, head: int, texture: str, subjects) -> None:
     """Append ``on a <texture> background``; every subject is related to the background."""
     on = cap.add("on", "ADP", "IN")
     cap.attach(on, head, "prep")
@@ -296,7 +296,7 @@ def caption_all_objects(rng, objects, texture) -> Caption:
         return cap
     first = _list_of_objects(cap, rng, objects)
     if template == 1:  # "A, B and C on a striped background"
-        _background(cap, rng, first, texture, range(len(objects)))
+        _background(cap, first, texture, range(len(objects)))
     return cap
 
 
@@ -306,7 +306,7 @@ def caption_attributes(rng, obj: DemoObject, texture) -> Caption:
     if template in (0, 1):  # "a large red circle (on a dotted background)"
         n = _noun_phrase(cap, rng, obj, det="a")
         if template == 1:
-            _background(cap, rng, n, texture, [0])
+            _background(cap, n, texture, [0])
     elif template == 2:  # "the circle is large and red"
         n = _noun_phrase(cap, rng, obj, det="the", size=False, color=False)
         be = cap.add("is", "AUX", "VBZ", lemma="be")
@@ -372,7 +372,7 @@ def caption_count(rng, objects, texture) -> Caption:
     cap.attach(num, n, "nummod")
     cap.objects.append(noun[:-1])
     cap.attributes.append((0, cap.words[num]))
-    _background(cap, rng, n, texture, [0])
+    _background(cap, n, texture, [0])
     return cap
 
 
