@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -249,7 +248,7 @@ def _prep_phrase(cap: Caption, head: int, prep_words: tuple[str, ...]) -> int:
     return p
 
 
-def _background(cap: Caption, rng: np.random.Generator, head: int, texture: str, subjects) -> None:
+def _background(cap: Caption, head: int, texture: str, subjects) -> None:
     """Append ``on a <texture> background``; every subject is related to the background."""
     on = cap.add("on", "ADP", "IN")
     cap.attach(on, head, "prep")
@@ -297,7 +296,7 @@ def caption_all_objects(rng, objects, texture) -> Caption:
         return cap
     first = _list_of_objects(cap, rng, objects)
     if template == 1:  # "A, B and C on a striped background"
-        _background(cap, rng, first, texture, range(len(objects)))
+        _background(cap, first, texture, range(len(objects)))
     return cap
 
 
@@ -307,7 +306,7 @@ def caption_attributes(rng, obj: DemoObject, texture) -> Caption:
     if template in (0, 1):  # "a large red circle (on a dotted background)"
         n = _noun_phrase(cap, rng, obj, det="a")
         if template == 1:
-            _background(cap, rng, n, texture, [0])
+            _background(cap, n, texture, [0])
     elif template == 2:  # "the circle is large and red"
         n = _noun_phrase(cap, rng, obj, det="the", size=False, color=False)
         be = cap.add("is", "AUX", "VBZ", lemma="be")
@@ -373,7 +372,7 @@ def caption_count(rng, objects, texture) -> Caption:
     cap.attach(num, n, "nummod")
     cap.objects.append(noun[:-1])
     cap.attributes.append((0, cap.words[num]))
-    _background(cap, rng, n, texture, [0])
+    _background(cap, n, texture, [0])
     return cap
 
 
@@ -395,8 +394,13 @@ def write_captions(rng, objects: list[DemoObject], texture: str, n: int) -> list
 # --------------------------------------------------------------------------- images
 
 
-def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
-    """Vertices of ``shape`` centred at (cx, cy) inscribed in a circle of radius r."""
+def _outline(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
+    """Vertices of ``shape`` centred at (cx, cy) inscribed in a circle of radius r; a circle
+    is approximated by 64 vertices (only for its box)."""
+    if shape == "circle":
+        return [
+            (cx + r * math.cos(t), cy + r * math.sin(t)) for t in np.linspace(0, 2 * math.pi, 65)
+        ]
     if shape == "square":
         s = r / math.sqrt(2) * 1.25
         return [(cx - s, cy - s), (cx + s, cy - s), (cx + s, cy + s), (cx - s, cy + s)]
@@ -436,15 +440,6 @@ def _background_image(rng: np.random.Generator, texture: str, size: int) -> np.n
     grey = base + contrast * (pattern - 0.5) + rng.normal(0, 4, (size, size))
     tint = rng.uniform(-8, 8, size=3)
     return np.clip(grey[..., None] + tint, 0, 255).astype(np.uint8)
-
-
-def _outline(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
-    """Polygon outline of a shape; a circle is approximated by 64 vertices (only for its box)."""
-    if shape == "circle":
-        return [
-            (cx + r * math.cos(t), cy + r * math.sin(t)) for t in np.linspace(0, 2 * math.pi, 65)
-        ]
-    return _polygon(shape, cx, cy, r)
 
 
 def _place_objects(rng: np.random.Generator, cfg: DemoConfig):
@@ -527,12 +522,6 @@ def generate_image(cfg: DemoConfig, split: str, index: int) -> tuple[Image.Image
     return image, record
 
 
-def iter_items(cfg: DemoConfig) -> Iterator[tuple[str, int]]:
-    for split, n in zip(SPLITS, (cfg.n_train, cfg.n_val, cfg.n_test), strict=True):
-        for index in range(n):
-            yield split, index
-
-
 def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
     """Write ``images/*.png`` and ``dataset.json`` under ``out_dir``; returns the dataset dict.
 
@@ -549,30 +538,26 @@ def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
             f"{out_dir} exists and is not a demo dataset (no dataset.json); remove it or "
             "choose another --out"
         )
-    with atomic_path(out_dir, directory=True) as tmp:
-        return _build_dataset(cfg, tmp, progress)
-
-
-def _build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
-    images_dir = out_dir / "images"
-    images_dir.mkdir(parents=True, exist_ok=True)
-    items = list(iter_items(cfg))
+    sizes = (cfg.n_train, cfg.n_val, cfg.n_test)
+    items = [(s, i) for s, n in zip(SPLITS, sizes, strict=True) for i in range(n)]
     records = []
     sentid = 0
-    for imgid, (split, index) in enumerate(progress(items) if progress else items):
-        image, record = generate_image(cfg, split, index)
-        image.save(images_dir / record["filename"], optimize=False, compress_level=6)
-        record["imgid"] = imgid
-        record["sentids"] = list(range(sentid, sentid + len(record["sentences"])))
-        for sentence, sid in zip(record["sentences"], record["sentids"], strict=True):
-            sentence.update(imgid=imgid, sentid=sid)
-        sentid += len(record["sentences"])
-        records.append(record)
-    dataset = {
-        "dataset": "demo",
-        "seed": cfg.seed,
-        "class_names": list(SHAPES),
-        "images": records,
-    }
-    (out_dir / "dataset.json").write_text(json.dumps(dataset, indent=1) + "\n", encoding="utf-8")
+    with atomic_path(out_dir, directory=True) as tmp:
+        (tmp / "images").mkdir()
+        for imgid, (split, index) in enumerate(progress(items) if progress else items):
+            image, record = generate_image(cfg, split, index)
+            image.save(tmp / "images" / record["filename"], optimize=False, compress_level=6)
+            record["imgid"] = imgid
+            record["sentids"] = list(range(sentid, sentid + len(record["sentences"])))
+            for sentence, sid in zip(record["sentences"], record["sentids"], strict=True):
+                sentence.update(imgid=imgid, sentid=sid)
+            sentid += len(record["sentences"])
+            records.append(record)
+        dataset = {
+            "dataset": "demo",
+            "seed": cfg.seed,
+            "class_names": list(SHAPES),
+            "images": records,
+        }
+        (tmp / "dataset.json").write_text(json.dumps(dataset, indent=1) + "\n", encoding="utf-8")
     return dataset

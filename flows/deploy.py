@@ -71,18 +71,9 @@ def _training_flow(model: str):
     return flow(name=f"train-{model}", log_prints=True)(run)
 
 
-train_vsepp = _training_flow("vsepp")
-train_mvvse = _training_flow("mvvse")
-train_camera = _training_flow("camera")
-train_huse = _training_flow("huse")
-train_univse = _training_flow("univse")
-TRAINING_FLOWS = {
-    "vsepp": train_vsepp,
-    "mvvse": train_mvvse,
-    "camera": train_camera,
-    "huse": train_huse,
-    "univse": train_univse,
-}
+TRAINING_FLOWS = {m: _training_flow(m) for m in ("vsepp", "mvvse", "camera", "huse", "univse")}
+# module-level names, the deployments' entrypoints (flows.deploy:train_vsepp, ...)
+train_vsepp, train_mvvse, train_camera, train_huse, train_univse = TRAINING_FLOWS.values()
 
 
 def serve(root: str | Path = ".", limit: int = 1) -> None:

@@ -132,14 +132,8 @@ def extract_shards(job: ExtractJob, shards: list[int]) -> dict:
         shards=shards,
     )
     logger.info("%s shards %s: %s", job.stage, shards, timing.summary())
-    return {
-        "shards": len(shards),
-        "images": timing.images,
-        "seconds": timing.seconds,
-        "read": timing.read,
-        "infer": timing.infer,
-        "write": timing.write,
-    }
+    phases = ("images", "seconds", "read", "infer", "write")
+    return {"shards": len(shards), **{k: getattr(timing, k) for k in phases}}
 
 
 @task(task_run_name="finalize {job.stage}")

@@ -18,6 +18,8 @@ import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import getitem
 from pathlib import Path
 from typing import Any
 
@@ -148,14 +150,6 @@ def plan_for(dataset: str, annotations: Path, images: Path, boxes: list[str] | N
     return plan
 
 
-def _set(params: dict, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    node = params
-    for p in parents:
-        node = node[p]
-    node[last] = value
-
-
 def real_params(plan: Plan) -> dict:
     """Every section at its code default (the papers'), then this dataset's choices, each
     recorded in ``plan.reasons``; no ``demo`` section, ``detector`` only with boxes."""
@@ -172,7 +166,8 @@ def real_params(plan: Plan) -> dict:
         del params["detector"]
 
     def choose(key: str, value: Any, why: str) -> None:
-        _set(params, key, value)
+        *parents, last = key.split(".")
+        reduce(getitem, parents, params)[last] = value
         plan.reasons[key] = why
 
     choose("prepare.format", plan.prepare_format, f"--dataset {plan.dataset}")
@@ -319,9 +314,7 @@ def _commented(params: dict, reasons: dict[str, str], header: str) -> str:
     doc = rt.load(yaml.safe_dump(params, sort_keys=False))
     for key, why in reasons.items():
         *parents, last = key.split(".")
-        node = doc
-        for p in parents:
-            node = node[p]
+        node = reduce(getitem, parents, doc)
         indent = 2 * len(parents)
         before = "\n".join(textwrap.wrap(why, 96 - indent))
         node.yaml_set_comment_before_after_key(last, before=before, indent=indent)
@@ -360,16 +353,11 @@ def init(
     )
     (root / "params.yaml").write_text(_commented(params, plan.reasons, header), encoding="utf-8")
     (root / "dvc.yaml").write_text(f"# Written by `{command}` from the demo's.\n" + dag)
-    lines = [f"data: {plan.annotations} ({plan.prepare_format}), images {plan.images}"]
-    lines.append(f"stages dropped: {', '.join(dropped)}")
-    lines.append(f"models: {', '.join(plan.models)}")
-    lines += [f"{key}: {_show(params, key)}  ({why})" for key, why in plan.reasons.items()]
-    lines += [f"note: {n}" for n in plan.notes]
-    return lines
-
-
-def _show(params: dict, key: str) -> str:
-    node = params
-    for part in key.split("."):
-        node = node[part]
-    return json.dumps(node)
+    chosen = {key: reduce(getitem, key.split("."), params) for key in plan.reasons}
+    return [
+        f"data: {plan.annotations} ({plan.prepare_format}), images {plan.images}",
+        f"stages dropped: {', '.join(dropped)}",
+        f"models: {', '.join(plan.models)}",
+        *(f"{key}: {json.dumps(chosen[key])}  ({why})" for key, why in plan.reasons.items()),
+        *(f"note: {n}" for n in plan.notes),
+    ]

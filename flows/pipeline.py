@@ -123,7 +123,6 @@ def stage_metrics(root: str | Path, stage: str, metric: bool = True) -> list[Pat
 def resumable(last: Path, model: str, config: dict) -> bool:
     """Whether ``last`` is a ``last.pt`` of ``model`` trained with ``config`` (the params'
     ``models.<model>``), readable as plain data: what a rerun may resume from."""
-    from infra.config import UserError
     from infra.resume import read_checkpoint
 
     if not last.is_file():

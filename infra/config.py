@@ -60,12 +60,8 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
             return []
         model = inner
-    names = []
-    for name, field in model.model_fields.items():
-        names.append(name)
-        if field.alias:
-            names.append(field.alias)
-    return names
+    fields = model.model_fields.items()
+    return [n for name, field in fields for n in (name, field.alias) if n]
 
 
 def _key(part: Any) -> str:

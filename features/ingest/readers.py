@@ -145,11 +145,8 @@ def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfi
                     rows.append(Record(f"<{csv_file.name}:{line_no}>", "", split, problem=problem))
                     continue
                 path = posixpath.join(split if split_dir else "", label, name)
-                if split == "train" and held_out(key, cfg.val_fraction, cfg.seed):
-                    split_of_row = "val"
-                else:
-                    split_of_row = split
-                rows.append(Record(key, path, split_of_row, [text], label=label))
+                held = split == "train" and held_out(key, cfg.val_fraction, cfg.seed)
+                rows.append(Record(key, path, "val" if held else split, [text], label=label))
         except csv.Error as err:
             raise IngestError(
                 f"{csv_file}:{reader.line_num}: not readable as CSV ({err})"

@@ -193,10 +193,7 @@ def check_box_names(names, boxes) -> str | None:
         return None
     if not isinstance(names, list) or not all(isinstance(n, str) and is_utf8(n) for n in names):
         return f"box_names is {str(names)[:60]!r}, not a list of (UTF-8) strings"
-    if not isinstance(boxes, list) or len(names) != len(boxes):
-        count = len(boxes) if isinstance(boxes, list) else "no"
-        return f"{len(names)} box_names for {count} boxes"
-    return None
+    return _one_per_box("box_names", names, boxes)
 
 
 def check_box_attributes(attributes, boxes) -> str | None:
@@ -208,10 +205,14 @@ def check_box_attributes(attributes, boxes) -> str | None:
         for a in attributes
     ):
         return f"box_attributes is {str(attributes)[:60]!r}, not one list of strings per box"
-    if not isinstance(boxes, list) or len(attributes) != len(boxes):
-        count = len(boxes) if isinstance(boxes, list) else "no"
-        return f"{len(attributes)} box_attributes for {count} boxes"
-    return None
+    return _one_per_box("box_attributes", attributes, boxes)
+
+
+def _one_per_box(what: str, values: list, boxes) -> str | None:
+    """What is wrong when ``values`` (field ``what``) are not one per box, or None."""
+    if isinstance(boxes, list) and len(values) == len(boxes):
+        return None
+    return f"{len(values)} {what} for {len(boxes) if isinstance(boxes, list) else 'no'} boxes"
 
 
 def check_key(key) -> str | None:

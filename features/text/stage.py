@@ -108,10 +108,7 @@ class BertTexts:
         for row, i in enumerate(ids):
             batch[row, : len(i)] = torch.tensor(i)
             mask[row, : len(i)] = 1
-        with (
-            torch.no_grad(),
-            autocast(self.device),
-        ):
+        with torch.no_grad(), autocast(self.device):
             out = self.model(
                 input_ids=batch.to(self.device),
                 attention_mask=mask.to(self.device),

@@ -41,6 +41,7 @@ def model_files(paths: list[str] | None, enabled) -> list[Path]:
 
 
 def run_report(args, params) -> int:
+    from infra.config import UserError
     from models.report.table import write_report
 
     enabled = list(params.models.enabled)
@@ -50,16 +51,12 @@ def run_report(args, params) -> int:
         model_files(args.histories, rows),
         model_files(args.galleries, enabled),
     )
-    histories = args.histories
-    if histories and not args.curves:
-        from infra.config import UserError
-
+    if args.histories and not args.curves:
         raise UserError("--histories needs --curves PNG, where the training curves go")
     curves = Path(args.curves) if args.curves else None
-    print(write_report(args.results, Path(args.out), Path(args.plot), histories, curves))
+    print(write_report(args.results, Path(args.out), Path(args.plot), args.histories, curves))
     print(f"report -> {args.out}, {args.plot}" + (f", {curves}" if curves else ""))
     if args.galleries:
-        from infra.config import UserError
         from models.report.table import write_galleries
 
         needed = ("manifest", "images", "gallery_html", "gallery_pngs")

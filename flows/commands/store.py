@@ -43,27 +43,16 @@ def run_ls(args, params) -> int:
     rows, damaged = [], []
     for path in find_stores(args.root):
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        size = f"{size / 2**20:.1f} MB"
         try:
             store = Store.open(path, require_complete=False)
         except StoreError as err:
             damaged.append(str(err))
-            rows.append((str(path), "?", "?", "damaged", "?", f"{size / 2**20:.1f} MB"))
+            rows.append((str(path), "?", "?", "damaged", "?", size))
             continue
-        state = (
-            "complete"
-            if store.committed.all()
-            else "partial " + store.describe()["committed_shards"]
-        )
-        rows.append(
-            (
-                str(path),
-                store.kind,
-                str(len(store)),
-                state,
-                store.fingerprint[:12],
-                f"{size / 2**20:.1f} MB",
-            )
-        )
+        complete = store.committed.all()
+        state = "complete" if complete else "partial " + store.describe()["committed_shards"]
+        rows.append((str(path), store.kind, str(len(store)), state, store.fingerprint[:12], size))
     if not rows:
         print(f"no feature stores under {args.root}")
         return 0
@@ -209,7 +198,21 @@ def _aligned_arguments(p) -> None:
     p.add_argument("--max-regions", type=int, default=36, help="regions kept per image")
 
 
-def _imported(args, manifest, missing: list[str], what: str) -> int:
+def _import_aligned(args, params, importer, source, what: str, **kwargs) -> int:
+    """``importer(source, ...)`` into a regions store aligned with ``--manifest``; reports
+    the manifest images that had no ``what``."""
+    from features.ingest.manifest import read_manifest
+
+    manifest = read_manifest(Path(args.manifest))
+    missing = importer(
+        source,
+        manifest,
+        Path(args.out),
+        params.store,
+        args.max_regions,
+        progress=progress("import", unit="shard"),
+        **kwargs,
+    )
     print(f"import: {len(manifest) - len(missing)} of {len(manifest)} images -> {args.out}")
     if missing:
         print(
@@ -221,19 +224,9 @@ def _imported(args, manifest, missing: list[str], what: str) -> int:
 
 def run_import_tsv(args, params) -> int:
     from features.exchange.butd_tsv import import_butd_tsv
-    from features.ingest.manifest import read_manifest
 
-    manifest = read_manifest(Path(args.manifest))
-    missing = import_butd_tsv(
-        [Path(f) for f in args.tsv],
-        manifest,
-        Path(args.out),
-        params.store,
-        args.max_regions,
-        progress=progress("import", unit="shard"),
-        fmt=args.format,
-    )
-    return _imported(args, manifest, missing, "TSV row")
+    tsv = [Path(f) for f in args.tsv]
+    return _import_aligned(args, params, import_butd_tsv, tsv, "TSV row", fmt=args.format)
 
 
 def npz_arguments(p) -> None:
@@ -243,18 +236,8 @@ def npz_arguments(p) -> None:
 
 def run_import_npz(args, params) -> int:
     from features.exchange.milvlg_npz import import_npz
-    from features.ingest.manifest import read_manifest
 
-    manifest = read_manifest(Path(args.manifest))
-    missing = import_npz(
-        Path(args.folder),
-        manifest,
-        Path(args.out),
-        params.store,
-        args.max_regions,
-        progress=progress("import", unit="shard"),
-    )
-    return _imported(args, manifest, missing, ".npz file")
+    return _import_aligned(args, params, import_npz, Path(args.folder), ".npz file")
 
 
 def export_arguments(p) -> None:
@@ -265,13 +248,19 @@ def export_arguments(p) -> None:
     p.add_argument("--regions", type=int, default=36, help="regions per image (pad or cut)")
 
 
-def run_export_precomp(args, params) -> int:
-    from features.exchange.precomp import export_precomp
+def _regions_store(args):
+    """``--manifest`` and the regions store ``args.store`` built from it."""
     from features.ingest.manifest import read_manifest
     from features.store.reader import Store
 
     manifest = read_manifest(Path(args.manifest))
-    store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+    return manifest, Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+
+
+def run_export_precomp(args, params) -> int:
+    from features.exchange.precomp import export_precomp
+
+    manifest, store = _regions_store(args)
     path = export_precomp(store, manifest, args.split, Path(args.out), n_regions=args.regions)
     print(f"export: {args.split} -> {path} (+ captions and ids)")
     return 0
@@ -286,11 +275,8 @@ def export_tsv_arguments(p) -> None:
 
 def run_export_tsv(args, params) -> int:
     from features.exchange.butd_tsv import export_obj36
-    from features.ingest.manifest import read_manifest
-    from features.store.reader import Store
 
-    manifest = read_manifest(Path(args.manifest))
-    store = Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
+    manifest, store = _regions_store(args)
     written, skipped = export_obj36(store, manifest, Path(args.out), args.split)
     print(f"export: {written} images -> {args.out} (obj36 TSV)")
     if skipped:

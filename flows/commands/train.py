@@ -34,20 +34,12 @@ def feature_arguments(p) -> None:
 
 
 def feature_paths(args):
+    """The :class:`models.data.info.FeaturePaths` of :func:`feature_arguments`' paths."""
     from models.data.info import FeaturePaths
 
-    def path(value):
-        return Path(value) if value else None
-
-    return FeaturePaths(
-        manifest=Path(args.manifest),
-        global_=path(args.global_),
-        regions=path(args.regions),
-        grid=path(args.grid),
-        text=path(args.text),
-        vocab=path(args.vocab),
-        scenegraphs=path(args.scenegraphs),
-    )
+    optional = ("global_", "regions", "grid", "text", "vocab", "scenegraphs")
+    paths = {k: Path(getattr(args, k)) if getattr(args, k) else None for k in optional}
+    return FeaturePaths(manifest=Path(args.manifest), **paths)
 
 
 def train_arguments(p) -> None:
