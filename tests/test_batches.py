@@ -12,10 +12,12 @@ from store_data import make_stores
 
 from features.store.reader import Store
 from models.common import TrainConfig, host_lengths
+from models.data.arena import Arena
 from models.data.arrays import as_tensors, finish, to_device
-from models.data.batches import Arena, Batches, DataWorkerError
+from models.data.batches import Batches, DataWorkerError
 from models.data.info import DataError
 from models.data.pairs import PairData
+from models.data.staging import one_ahead
 from models.train import epoch_batches, train
 from models.vsepp import VSEPPConfig
 
@@ -339,3 +341,20 @@ def test_a_dimension_dead_on_train_cannot_dominate_a_standardised_test_image():
     test = np.abs(rng.normal(size=64))  # the dead units fire at test time
     z = (test - train.mean(0)) / std
     assert np.abs(z[:5]).max() <= 10 * test[:5].max() / typical + 1e-9
+
+
+def test_the_next_batch_is_staged_before_this_one_is_handed_out():
+    """On CUDA batch i + 1's copy starts before step i gets batch i (models.data.staging)."""
+    log = []
+
+    def start(item):
+        log.append(f"start {item}")
+        return item * 10
+
+    given = []
+    for item, begun in one_ahead(iter(range(3)), start):
+        log.append(f"give {item}")
+        given.append((item, begun))
+    assert given == [(0, 0), (1, 10), (2, 20)]
+    assert log == ["start 0", "start 1", "give 0", "start 2", "give 1", "give 2"]
+    assert list(one_ahead(iter([]), start)) == []

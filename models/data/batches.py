@@ -21,7 +21,8 @@ copy into it; torch's DataLoader, which allocates each batch afresh, timed 2-3x 
 benchmarks/train_input.py), no copy between processes. A CPU batch is a view of its arena, valid
 until the next batch is asked for. On CUDA the producer copies each batch into pinned
 memory and frees the arena at once; the consumer copies it with ``non_blocking=True``
-and finishes it on the device (float16 -> float32 and standardisation on the GPU, once).
+and finishes it on the device (float16 -> float32 and standardisation on the GPU, once),
+one batch ahead on a side stream (:mod:`models.data.staging`).
 On the CPU the builder finishes the batch itself, so the consumer receives it ready.
 
 Order: batches come out in the order of the tasks (a map-style epoch: exactly the
@@ -48,9 +49,10 @@ import torch
 
 from infra.config import UserError
 from infra.resume import ignore_stop_signals
+from models.data.arena import Arena, from_layout
 from models.data.arrays import as_tensors, finish, to_device
+from models.data.staging import staged_on_cuda
 
-ALIGN = 64  # bytes; arrays start at cache-line boundaries in an arena
 WORKER_CONTEXT = "spawn"  # a fork would copy the threads of an in-process Prefect run
 POLL_SECONDS = 0.5  # how often a waiting producer checks that it should stop / is alive
 
@@ -67,91 +69,6 @@ class Stream:
     spec: tuple
     steps: int
     start: dict | None = None  # where to go on from: a Batches.position of this stream
-
-
-class Arena:
-    """One batch's memory: arrays carved out of one reusable byte buffer (shared memory
-    when ``shared``, for worker processes). A batch that does not fit takes fresh arrays
-    for the rest and the buffer grows before the next batch."""
-
-    def __init__(self, nbytes: int = 1 << 20, shared: bool = False):
-        self.shared = shared
-        self._allocate(nbytes)
-
-    def _allocate(self, nbytes: int) -> None:
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
-        self.tensor = tensor.share_memory_() if self.shared else tensor
-        self.buffer = self.tensor.numpy()
-        self.changed = True  # a worker sends its new buffer with the next batch
-        self.used = self.demand = 0
-
-    def reset(self) -> None:
-        """Start a new batch (the previous one's arrays are reused from here on)."""
-        if self.demand > len(self.buffer):
-            self._allocate(int(self.demand * 1.25) + (1 << 20))
-        self.used = self.demand = 0
-
-    def __call__(self, shape, dtype) -> np.ndarray:
-        """An uninitialised array of ``shape`` and ``dtype`` (the ``alloc`` of a build)."""
-        dtype = np.dtype(dtype)
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        start = -(-self.demand // ALIGN) * ALIGN
-        self.demand = start + nbytes
-        if self.used > start or start + nbytes > len(self.buffer):  # full: fresh memory
-            self.used = len(self.buffer) + 1
-            return np.empty(shape, dtype)
-        self.used = start + nbytes
-        return self.buffer[start : start + nbytes].view(dtype).reshape(shape)
-
-    def holds(self, value: np.ndarray) -> int | None:
-        """Offset of a C-contiguous array that lies in this arena, else None."""
-        if not value.flags.c_contiguous:
-            return None
-        offset = value.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
-        return offset if 0 <= offset and offset + value.nbytes <= len(self.buffer) else None
-
-    def adopt(self, batch: dict) -> dict:
-        """``batch`` with every array (numpy or CPU tensor) in this arena, copying those
-        that are not (e.g. built by a source that ignores ``alloc``)."""
-        out = {}
-        for key, value in batch.items():
-            if torch.is_tensor(value):
-                value = value.numpy(force=True) if value.device.type == "cpu" else value.cpu()
-            if isinstance(value, np.ndarray) and self.holds(value) is None:
-                copy = self(value.shape, value.dtype)
-                copy[...] = value
-                value = copy
-            out[key] = value
-        return out
-
-    def layout(self, batch: dict) -> dict:
-        """Where each array of ``batch`` lies: ``(dtype, shape, offset)``; other values
-        (and arrays outside the arena) as they are."""
-        out = {}
-        for key, value in batch.items():
-            offset = self.holds(value) if isinstance(value, np.ndarray) else None
-            if offset is None:
-                if isinstance(value, np.ndarray):
-                    value = torch.from_numpy(value)  # sent through shared memory
-                out[key] = ("value", value)
-            else:
-                out[key] = ("arena", value.dtype.str, value.shape, offset)
-        return out
-
-
-def from_layout(buffer: np.ndarray, layout: dict) -> dict:
-    """The batch a worker described with :meth:`Arena.layout`, as views of ``buffer``."""
-    out = {}
-    for key, item in layout.items():
-        if item[0] == "arena":
-            _, dtype, shape, offset = item
-            dtype = np.dtype(dtype)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            out[key] = buffer[offset : offset + nbytes].view(dtype).reshape(shape)
-        else:
-            out[key] = item[1]
-    return out
 
 
 def build(source, kind: str, index: np.ndarray, alloc: Arena) -> dict:
@@ -334,6 +251,9 @@ class Batches:
             produced = self._built_here(tasks, stop)
         if ahead:
             produced = self._in_thread(produced, stop)
+        if self.device.type == "cuda":
+            yield from self._staged_ahead(produced, stop)
+            return
         release = None
         try:
             while True:
@@ -354,6 +274,18 @@ class Batches:
             produced.close()
             if release is not None:
                 release()
+
+    def _staged_ahead(self, produced: Iterator, stop: threading.Event) -> Iterator[dict]:
+        """On CUDA: batch ``i + 1`` copied and finished on a side stream while step ``i``
+        runs (:func:`models.data.staging.staged_on_cuda`)."""
+        try:
+            pairs = ((position, batch) for batch, _, position in produced)
+            for position, batch in staged_on_cuda(pairs, self._ready, self.device):
+                self.position = position
+                yield batch
+        finally:
+            stop.set()
+            produced.close()
 
     def _ready(self, batch: dict) -> dict:
         """On the CPU the batch is ready; on a device: non-blocking copy, then finish."""
