@@ -142,7 +142,7 @@ LAYOUT = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
 def harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=120):  # a loaded machine is slow
         yield
 
 
