@@ -3,7 +3,6 @@ similarities and naive loops on random ones; non-finite embeddings and similarit
 refused, naming the item."""
 
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -314,7 +313,8 @@ def test_images_after_the_last_fold_are_counted_and_1k_folds_are_not_warned():
     with pytest.warns(UserWarning, match="not the COCO 1K protocol") as record:
         report = evaluate_model(Embeddings(), five, EvaluateConfig(fold_size=2, device="cpu"), cpu)
     # the warning names the line that evaluated (under mutmut: its trampoline, one frame in)
-    caller = "trampoline.py" if os.environ.get("MUTANT_UNDER_TEST") else Path(__file__).name
+    mutated = Path(__file__).parent.parent.name == "mutants"  # mutmut's copy of the tree
+    caller = "trampoline.py" if mutated else Path(__file__).name
     assert Path(record[0].filename).name == caller
     assert report["folds"]["left_out"] == 1 and report["folds"]["captions"] == 8
     img = torch.eye(2000)[:, :64] + torch.eye(2000)[:, 64:128]  # any 2000 vectors
