@@ -23,9 +23,6 @@ from features.store.spec import SCHEMA_VERSION, FieldSpec, StoreError
 from infra.config import one_line
 
 IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
-# ... or this small, for a store at a URL: larger arrays are fetched a chunk at a time, so
-# reading a split fetches the chunks holding its rows, not the whole array
-REMOTE_IN_MEMORY_BYTES = 1 << 20
 
 
 MAX_MAPS = 4096  # shard files a reader keeps mapped (each holds a file descriptor)
@@ -371,13 +368,11 @@ class Store:
     def _take(self, name: str, rows: np.ndarray, out: np.ndarray, positions=None) -> None:
         """``out[positions] = rows`` of array ``name`` (a dense field's samples or a ragged
         field's value rows; ``rows`` valid): from memory when the array is small (read
-        once; :data:`REMOTE_IN_MEMORY_BYTES` at a URL), else one fancy-indexed copy per
-        memory-mapped shard file touched (local, uncompressed stores) or per chunk read
-        through Zarr (remote or compressed: only the chunks holding ``rows`` are fetched)."""
+        once), else one fancy-indexed copy per memory-mapped shard file touched (local,
+        uncompressed stores) or per chunk read through Zarr (remote or compressed)."""
         shape, chunk_rows, shard_rows, dtype = self._geometry(name)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        kept = REMOTE_IN_MEMORY_BYTES if "://" in self.url else IN_MEMORY_BYTES
-        if name not in self._memory and nbytes <= kept:
+        if name not in self._memory and nbytes <= IN_MEMORY_BYTES:
             self._memory[name] = (
                 np.array(self._mapped_slice(name, 0, shape[0]))
                 if self._mappable
