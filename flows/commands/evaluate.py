@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from flows.commands import Command, path_in, path_out
-from flows.commands.train import feature_arguments, feature_paths
+from flows.commands.train import feature_arguments, feature_paths, store_location
 from models.registry import MODEL_NAMES
 
 
@@ -48,13 +48,13 @@ def run_evaluate(args, params) -> int:
         data.standardize(info.feature_stats)
     adversarial = None
     if args.adversarial_captions:
-        store = Path(args.adversarial) if args.adversarial else None
+        store = store_location(args.adversarial)
         adversarial = data.with_adversarial(store, Path(args.adversarial_captions))
     embeddings = embed(model, data, cfg, device)
     report = {
         "model": args.model,
         "name": args.name or args.model,
-        "image_store": Path(image_store(args)).name,
+        "image_store": image_store(args).rstrip("/").rsplit("/", 1)[-1],
         **evaluate_model(model, data, cfg, device, adversarial, embeddings=embeddings),
     }
     write_json(Path(args.out), report)

@@ -13,7 +13,9 @@ from models.registry import MODEL_NAMES
 
 
 def feature_arguments(p) -> None:
-    """The stores and files a model may read; each model reads only what it needs."""
+    """The stores and files a model may read; each model reads only what it needs. A store
+    may be an fsspec URL (``s3://bucket/regions.zarr``, credentials and endpoint from the
+    environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``)."""
     path_in(p, "--manifest", required=True, help="manifest parquet (vse prepare)")
     path_in(p, "--global", dest="global_", help="global image store (vse extract global)")
     path_in(
@@ -34,12 +36,22 @@ def feature_arguments(p) -> None:
 
 
 def feature_paths(args):
-    """The :class:`models.data.info.FeaturePaths` of :func:`feature_arguments`' paths."""
+    """The :class:`models.data.info.FeaturePaths` of :func:`feature_arguments`' paths; the
+    stores given as URLs stay ``str``."""
     from models.data.info import FeaturePaths
 
-    optional = ("global_", "regions", "grid", "text", "vocab", "scenegraphs")
-    paths = {k: Path(getattr(args, k)) if getattr(args, k) else None for k in optional}
-    return FeaturePaths(manifest=Path(args.manifest), **paths)
+    stores = {k: store_location(getattr(args, k)) for k in ("global_", "regions", "grid", "text")}
+    files = {
+        k: Path(getattr(args, k)) if getattr(args, k) else None for k in ("vocab", "scenegraphs")
+    }
+    return FeaturePaths(manifest=Path(args.manifest), **stores, **files)
+
+
+def store_location(value: str | None) -> Path | str | None:
+    """A store argument: an fsspec URL (``s3://...``) as given, a local path as a ``Path``."""
+    if not value:
+        return None
+    return value if "://" in value else Path(value)
 
 
 def train_arguments(p) -> None:

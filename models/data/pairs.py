@@ -248,7 +248,7 @@ class PairData:
         """Text-side tensors for split caption positions ``captions``, ready."""
         return finish(as_tensors(self.build("text", captions)), self.stats)
 
-    def with_adversarial(self, store: Path, captions: Path) -> PairData:
+    def with_adversarial(self, store: Path | str | None, captions: Path) -> PairData:
         """The fake captions of this split's images (``vse extract adversarial``) as a text
         source: ``text_batch`` reads them, ``attacks`` names each one's attack and
         ``caption_image`` gives the image it was made from (it never matches it)."""
