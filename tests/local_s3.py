@@ -4,6 +4,7 @@ write ``s3://`` URLs: no network, no credentials."""
 from __future__ import annotations
 
 import socket
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,6 +28,11 @@ def local_s3(bucket: str) -> Iterator[dict]:
             "secret": "test",
             "client_kwargs": {"region_name": "us-east-1"},
         }
+        # moto keeps its buckets in the process, across servers: start empty (a second
+        # pytest run in one process, as mutmut's, would find the last run's objects)
+        urllib.request.urlopen(
+            urllib.request.Request(f"{options['endpoint_url']}/moto-api/reset", method="POST")
+        ).close()
         boto3.client(
             "s3",
             endpoint_url=options["endpoint_url"],
