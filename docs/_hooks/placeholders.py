@@ -11,7 +11,8 @@ Figures, from a committed result file (JSON or YAML, a path from the repository 
 - ``{{ fig("tests/data/captions_gold_scores.json", "objects.f1", ".3f") }}``: one value,
   at a dotted key path (list items by index), formatted by ``format(value, spec)``.
 - ``{{ table("FILE", rows=[...], columns=[...], fmt=".3f", header="kind") }}``: a
-  markdown table of ``FILE[row][column]``; ``labels={"key": "shown"}`` renames either.
+  markdown table of ``FILE[row][column]``; ``labels={"key": "shown"}`` renames either;
+  ``rows="*"``: every top-level key of the file, in its order.
 
 From the code:
 
@@ -97,13 +98,14 @@ def fig(path: str, key: str, fmt: str | None = None) -> str:
 
 def table(
     path: str,
-    rows: list[str],
+    rows: list[str] | str,
     columns: list[str],
     fmt: str | None = None,
     header: str = "",
     labels: dict[str, str] | None = None,
 ) -> str:
     data, labels = _load(path), labels or {}
+    rows = list(data) if rows == "*" else rows
     out = [
         "| " + " | ".join([header] + [labels.get(c, c) for c in columns]) + " |",
         "|---|" + "---:|" * len(columns),
