@@ -8,7 +8,9 @@ paired by its section and label; the best figure of each side counts (the benchm
 print rates: higher is better). Prints each row's figures and ratio AFTER / BEFORE, and
 writes them to ``--out`` (JSON).
 
-    python benchmarks/revisions.py 7f1c1e0 -- benchmarks/train_input.py --images 2048
+    python benchmarks/revisions.py 7f1c1e0 \\
+        --baseline "memmap gather + float32 + padding (baseline)" \\
+        -- benchmarks/train_input.py --images 2048
     python benchmarks/revisions.py 7f1c1e0 --out benchmarks/results/revisions/store_read.json \\
         -- benchmarks/store_read.py --n 1024
 """
@@ -29,17 +31,25 @@ ROW = re.compile(r"^(?P<label>\S.*?)\s{2,}(?P<value>\d+(?:\.\d+)?)(?:\s|$)")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
-def rows(output: str) -> dict[str, float]:
+def rows(output: str, baseline: str | None = None) -> dict[str, float]:
     """``{"section | label": first figure}`` of every table row in a benchmark's output.
-    A section is the last line that is neither a row nor a column header (no double
-    space), its numbers blanked, so that a load figure in it does not split a section."""
-    found, section = {}, ""
+    A section is the first line of a paragraph (after a blank line) that is not a row, its
+    numbers blanked (a load figure in it does not split a section). With ``baseline``, each
+    figure is divided by the figure of the row of that label in its section (a reader
+    that does not depend on the code: the ratio cancels the machine's load of the run)."""
+    found, section, blank = {}, "", True
     for line in output.splitlines():
         match = ROW.match(line)
         if match and not line.startswith(" "):
             found[f"{section} | {match['label'].strip()}"] = float(match["value"])
-        elif line.strip() and "  " not in line.strip():
+        elif line.strip() and blank:
             section = NUMBER.sub("#", line.strip())
+        blank = not line.strip()
+    if baseline:
+        base = {k.split(" | ")[0]: v for k, v in found.items() if k.endswith(f" | {baseline}")}
+        found = {
+            k: v / base[k.split(" | ")[0]] for k, v in found.items() if base.get(k.split(" | ")[0])
+        }
     return found
 
 
@@ -80,9 +90,14 @@ def main(argv=None) -> int:
     ap.add_argument("--after", default=None, help="git revision (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write the table here (JSON)")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
-    args = ap.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    ap.add_argument(
+        "--baseline", default=None, help="row label each figure is divided by, run by run"
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--" not in argv:
+        ap.error("name the benchmark script after --: ... -- SCRIPT [ARGS...]")
+    cut = argv.index("--")
+    args, command = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if not command:
         ap.error("name the benchmark script after --")
     script, script_args = command[0], command[1:]
@@ -94,7 +109,7 @@ def main(argv=None) -> int:
             for k in range(args.rounds):
                 for side, tree in trees.items():
                     print(f"round {k + 1}/{args.rounds}: {side} ...", flush=True)
-                    outputs[side].append(rows(run(tree, script, script_args)))
+                    outputs[side].append(rows(run(tree, script, script_args), args.baseline))
         finally:
             for tree in trees.values():
                 if tree != REPO:
@@ -106,11 +121,12 @@ def main(argv=None) -> int:
     print(f"\n{script} {' '.join(script_args)}: best of {args.rounds} runs each")
     print(f"{'row':<{width}}{'before':>11}{'after':>11}{'after/before':>14}")
     for key, r in table.items():
-        print(f"{key:<{width}}{r['before']:>11.1f}{r['after']:>11.1f}{r['ratio']:>14.3f}")
+        print(f"{key:<{width}}{r['before']:>11.3f}{r['after']:>11.3f}{r['ratio']:>14.3f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"script": script, "args": script_args, "before": args.before}
         meta |= {"after": args.after or "working tree", "rounds": args.rounds}
+        meta |= {"baseline": args.baseline}
         args.out.write_text(json.dumps({**meta, "rows": table}, indent=1) + "\n")
     return 0
 
