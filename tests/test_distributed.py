@@ -3,6 +3,7 @@ fanned out over a 2-worker Dask LocalCluster by Prefect, both ending identical t
 single-writer run."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,19 +168,55 @@ def demo(tmp_path_factory):
     return root
 
 
+GRID = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
+
+
+def one_process_store(demo: Path, cfg: GridConfig, out: Path) -> None:
+    """The grid store of the demo extracted in this process, with one torch thread as in
+    each single-threaded Dask worker (and no loader workers)."""
+    cfg = cfg.model_copy(update={"num_workers": 0})
+    manifest = read_manifest(demo / "manifest.parquet")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        extractor = GridExtractor(build_trunk(cfg), cfg, torch.device("cpu"))
+        extract_images(extractor, manifest, demo / "images", out, cfg, LAYOUT)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def stop_mid_shard(claim: str, sig: int):
+    """What :meth:`distributed.Client.run` installs in each worker: the first shard writer
+    (of any worker) to write a shard's first field writes its pid to ``claim`` and sends
+    itself ``sig`` before the shard's commit marker, holding the shard's lock."""
+
+    def arm():
+        import os
+
+        from features.store.writer import ShardWriter
+
+        write = ShardWriter._write_dense
+
+        def write_then_stop(self, *args, **kwargs):
+            write(self, *args, **kwargs)
+            try:
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            os.kill(os.getpid(), sig)
+
+        ShardWriter._write_dense = write_then_stop
+
+    return arm
+
+
 def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
     from flows.distributed import ExtractJob, run_distributed
 
-    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=1)
-    manifest = read_manifest(demo / "manifest.parquet")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in each single-threaded Dask worker
-    try:
-        one = cfg.model_copy(update={"num_workers": 0})
-        extractor = GridExtractor(build_trunk(one), one, torch.device("cpu"))
-        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", one, LAYOUT)
-    finally:
-        torch.set_num_threads(threads)
+    cfg = GRID.model_copy(update={"num_workers": 1})
+    one_process_store(demo, cfg, tmp_path / "one.zarr")
 
     out = tmp_path / "dask.zarr"
     grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
@@ -228,35 +265,9 @@ def test_a_worker_killed_in_the_middle_of_a_shard_costs_no_manual_step(demo, tmp
 
     from flows.distributed import ExtractJob, run_distributed
 
-    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
-    manifest = read_manifest(demo / "manifest.parquet")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in each single-threaded Dask worker
-    try:
-        extractor = GridExtractor(build_trunk(cfg), cfg, torch.device("cpu"))
-        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", cfg, LAYOUT)
-    finally:
-        torch.set_num_threads(threads)
-
+    cfg = GRID  # the one-process store and the Dask run extract alike
+    one_process_store(demo, cfg, tmp_path / "one.zarr")
     claim = tmp_path / "killed"  # made by the one worker that dies, so only one dies
-
-    def arm(claim=str(claim)):
-        import os
-        import signal
-
-        from features.store.writer import ShardWriter
-
-        write = ShardWriter._write_dense
-
-        def write_then_die(self, *args, **kwargs):
-            write(self, *args, **kwargs)
-            try:
-                os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return
-            os.kill(os.getpid(), signal.SIGKILL)  # mid-shard: a field written, no marker
-
-        ShardWriter._write_dense = write_then_die
 
     out = tmp_path / "dask.zarr"
     grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
@@ -266,7 +277,8 @@ def test_a_worker_killed_in_the_middle_of_a_shard_costs_no_manual_step(demo, tmp
         ) as local,
         local.get_client() as client,
     ):
-        client.run(arm)  # in every worker process; a restarted worker is not armed
+        # in every worker process; a restarted worker is not armed
+        client.run(stop_mid_shard(str(claim), signal.SIGKILL))
         summary = run_distributed(grid, address=local.scheduler_address)
     assert claim.exists()  # a worker did die in the middle of a shard
     assert summary["shards"] == 5 and summary["samples"] == 20
@@ -283,7 +295,6 @@ def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path)
     either way no shard is mixed and the rerun completes the store equal to one process's,
     byte for byte. (One machine: the freeze stands in for a cut network; an ``flock``
     guards a store on one file system only.)"""
-    import signal
     import threading
 
     import dask
@@ -291,37 +302,9 @@ def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path)
 
     from flows.distributed import ExtractJob, run_distributed
 
-    cfg = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
-    manifest = read_manifest(demo / "manifest.parquet")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        extractor = GridExtractor(build_trunk(cfg), cfg, torch.device("cpu"))
-        extract_images(extractor, manifest, demo / "images", tmp_path / "one.zarr", cfg, LAYOUT)
-    finally:
-        torch.set_num_threads(threads)
-
+    cfg = GRID  # the one-process store and the Dask run extract alike
+    one_process_store(demo, cfg, tmp_path / "one.zarr")
     claim = tmp_path / "frozen"  # the frozen worker's pid
-
-    def arm(claim=str(claim)):
-        import os
-        import signal
-
-        from features.store.writer import ShardWriter
-
-        write = ShardWriter._write_dense
-
-        def write_then_freeze(self, *args, **kwargs):
-            write(self, *args, **kwargs)
-            try:
-                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                return
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-        ShardWriter._write_dense = write_then_freeze
 
     out = tmp_path / "dask.zarr"
     grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", out, cfg, LAYOUT)
@@ -345,7 +328,7 @@ def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path)
         workers = [subprocess.Popen(worker, env=env, stderr=subprocess.DEVNULL) for _ in "abc"]
         try:
             client.wait_for_workers(3, timeout=120)
-            client.run(arm)
+            client.run(stop_mid_shard(str(claim), signal.SIGSTOP))
             run = threading.Thread(target=first_run, args=(local.scheduler_address,))
             run.start()
             run.join(timeout=240)
