@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from features.images.config import ExtractConfig, GridConfig, RegionsConfig
 from features.store.reader import Store
 from features.store.spec import StoreConfig, StoreError
+from infra.files import is_url
 
 
 class ExtractJob(BaseModel):
@@ -54,13 +55,18 @@ class ExtractJob(BaseModel):
     config: RegionsConfig | GridConfig
     store: StoreConfig = StoreConfig()
 
+    @property
+    def store_location(self) -> Path | str:
+        """The store: a local path, or an fsspec URL as given (``s3://...``)."""
+        return self.out if is_url(self.out) else Path(self.out)
+
     @classmethod
     def make(cls, stage, manifest, images, out, cfg: ExtractConfig, store: StoreConfig):
         return cls(
             stage=stage,
             manifest=str(Path(manifest).resolve()),
             images=str(Path(images).resolve()),
-            out=str(Path(out).resolve()),
+            out=str(out) if is_url(out) else str(Path(out).resolve()),
             config=cfg,
             store=store,
         )
@@ -92,7 +98,7 @@ def _store_writer(job: ExtractJob, log, shards=None):
     manifest = read_manifest(Path(job.manifest))
     extractor = worker_extractor(job)
     return image_store_writer(
-        extractor, manifest, Path(job.out), job.config, job.store, log=log, shards=shards
+        extractor, manifest, job.store_location, job.config, job.store, log=log, shards=shards
     )
 
 
@@ -125,7 +131,7 @@ def extract_shards(job: ExtractJob, shards: list[int]) -> dict:
         worker_extractor(job),
         read_manifest(Path(job.manifest)),
         Path(job.images),
-        Path(job.out),
+        job.store_location,
         cfg,
         job.store,
         log=logger.info,

@@ -99,6 +99,12 @@ def replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
+def is_url(path: str | Path) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://bucket/x``) rather than a local path
+    (``Path`` would fold the URL's ``//``)."""
+    return "://" in str(path)
+
+
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(path) as tmp:

@@ -8,26 +8,26 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+_SERVERS: dict[str, object] = {}  # endpoint URL -> its running server
+
 
 @contextmanager
 def local_s3(bucket: str) -> Iterator[dict]:
     """A running endpoint with ``bucket`` created; yields the fsspec storage options
     that reach it, and stops the server afterwards."""
     import boto3
-    from moto import server as moto_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "test",
+        "secret": "test",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    start_endpoint(options)
     try:
-        options = {
-            "endpoint_url": f"http://127.0.0.1:{port}",
-            "key": "test",
-            "secret": "test",
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
         # moto keeps its buckets in the process, across servers: start empty (a second
         # pytest run in one process, as mutmut's, would find the last run's objects)
         urllib.request.urlopen(
@@ -42,4 +42,22 @@ def local_s3(bucket: str) -> Iterator[dict]:
         ).create_bucket(Bucket=bucket)
         yield options
     finally:
+        stop_endpoint(options)
+
+
+def stop_endpoint(options: dict) -> None:
+    """Stop the endpoint of ``options``: its connections are refused until
+    :func:`start_endpoint` (its objects stay: moto keeps them in this process)."""
+    server = _SERVERS.pop(options["endpoint_url"], None)
+    if server is not None:
         server.stop()
+
+
+def start_endpoint(options: dict) -> None:
+    """(Re)start the endpoint of ``options`` on its port."""
+    from moto import server as moto_server
+
+    port = int(options["endpoint_url"].rsplit(":", 1)[1])
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    _SERVERS[options["endpoint_url"]] = server

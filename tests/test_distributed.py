@@ -2,6 +2,7 @@
 fanned out over a 2-worker Dask LocalCluster by Prefect, both ending identical to a
 single-writer run."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -171,7 +172,7 @@ def demo(tmp_path_factory):
 GRID = GridConfig(architecture="resnet18", image_size=64, grid=3, batch_size=2, num_workers=0)
 
 
-def one_process_store(demo: Path, cfg: GridConfig, out: Path) -> None:
+def one_process_store(demo: Path, cfg: GridConfig, out: Path | str) -> None:
     """The grid store of the demo extracted in this process, with one torch thread as in
     each single-threaded Dask worker (and no loader workers)."""
     cfg = cfg.model_copy(update={"num_workers": 0})
@@ -185,20 +186,19 @@ def one_process_store(demo: Path, cfg: GridConfig, out: Path) -> None:
         torch.set_num_threads(threads)
 
 
-def stop_mid_shard(claim: str, sig: int):
+def stop_mid_shard(claim: str, sig: int, remote: bool = False):
     """What :meth:`distributed.Client.run` installs in each worker: the first shard writer
-    (of any worker) to write a shard's first field writes its pid to ``claim`` and sends
-    itself ``sig`` before the shard's commit marker, holding the shard's lock."""
+    (of any worker) to write a shard's first field (local stores: holding the shard's
+    lock; ``remote``: its first staged upload) writes its pid to ``claim`` and sends itself
+    ``sig`` before the shard's commit."""
 
     def arm():
         import os
 
+        from features.store.remote import RemoteStoreWriter
         from features.store.writer import ShardWriter
 
-        write = ShardWriter._write_dense
-
-        def write_then_stop(self, *args, **kwargs):
-            write(self, *args, **kwargs)
+        def stop_once():
             try:
                 fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
@@ -207,9 +207,60 @@ def stop_mid_shard(claim: str, sig: int):
             os.close(fd)
             os.kill(os.getpid(), sig)
 
-        ShardWriter._write_dense = write_then_stop
+        if not remote:
+            write = ShardWriter._write_dense
+
+            def write_then_stop(self, *args, **kwargs):
+                write(self, *args, **kwargs)
+                stop_once()
+
+            ShardWriter._write_dense = write_then_stop
+            return
+        stage = RemoteStoreWriter._claim
+
+        def stage_then_stop(self, *args):
+            put = self.fs.put_file
+
+            def put_then_stop(*put_args, **kwargs):
+                put(*put_args, **kwargs)
+                stop_once()
+
+            self.fs.put_file = put_then_stop
+            try:
+                stage(self, *args)
+            finally:
+                del self.fs.put_file
+
+        RemoteStoreWriter._claim = stage_then_stop
 
     return arm
+
+
+@contextlib.contextmanager
+def nannyless_workers(n: int, env: dict):
+    """A scheduler that drops a worker 3 s after its last heartbeat, and ``n`` worker
+    processes without nannies (nothing restarts or stops a frozen one); yields the
+    cluster, a client and the workers' processes."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    repo = Path(__file__).parent.parent
+    env = {**os.environ, **env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    with (
+        dask.config.set({"distributed.scheduler.worker-ttl": "3s"}),
+        LocalCluster(n_workers=0, dashboard_address=None) as local,
+        Client(local.scheduler_address) as client,
+    ):
+        worker = [sys.executable, "-m", "dask", "worker", local.scheduler_address]
+        worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
+        workers = [subprocess.Popen(worker, env=env, stderr=subprocess.DEVNULL) for _ in range(n)]
+        try:
+            client.wait_for_workers(n, timeout=120)
+            yield local, client, workers
+        finally:
+            for proc in workers:
+                proc.kill()
+                proc.wait()
 
 
 def test_grid_over_two_dask_workers_equals_one_process(demo, cluster, tmp_path):
@@ -297,9 +348,6 @@ def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path)
     guards a store on one file system only.)"""
     import threading
 
-    import dask
-    from distributed import Client, LocalCluster
-
     from flows.distributed import ExtractJob, run_distributed
 
     cfg = GRID  # the one-process store and the Dask run extract alike
@@ -316,38 +364,83 @@ def test_a_frozen_worker_whose_task_moved_on_never_mixes_a_shard(demo, tmp_path)
         except Exception as err:
             outcome["error"] = err
 
-    repo = Path(__file__).parent.parent
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    with (
-        dask.config.set({"distributed.scheduler.worker-ttl": "3s"}),
-        LocalCluster(n_workers=0, dashboard_address=None) as local,
-        Client(local.scheduler_address) as client,
-    ):
-        worker = [sys.executable, "-m", "dask", "worker", local.scheduler_address]
-        worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
-        workers = [subprocess.Popen(worker, env=env, stderr=subprocess.DEVNULL) for _ in "abc"]
-        try:
-            client.wait_for_workers(3, timeout=120)
-            client.run(stop_mid_shard(str(claim), signal.SIGSTOP))
-            run = threading.Thread(target=first_run, args=(local.scheduler_address,))
-            run.start()
-            run.join(timeout=240)
-            assert not run.is_alive() and claim.exists()
-            zombie = int(claim.read_text())
-            os.kill(zombie, signal.SIGCONT)
-            frozen = next(proc for proc in workers if proc.pid == zombie)
-            message = str(outcome["error"])  # the moved task was refused the zombie's shard
-            assert "\n" not in message and "is being written by another shard writer" in message
-            for _ in range(600):  # the zombie finishes its shard or closes, releasing its lock
-                building = Store.open(incomplete_path(out), require_complete=False)
-                if building.committed.all() or frozen.poll() is not None:
-                    break
-                time.sleep(0.1)
-            again = run_distributed(grid, address=local.scheduler_address)
-        finally:
-            for proc in workers:
-                proc.kill()
-                proc.wait()
+    with nannyless_workers(3, {}) as (local, client, workers):
+        client.run(stop_mid_shard(str(claim), signal.SIGSTOP))
+        run = threading.Thread(target=first_run, args=(local.scheduler_address,))
+        run.start()
+        run.join(timeout=240)
+        assert not run.is_alive() and claim.exists()
+        zombie = int(claim.read_text())
+        os.kill(zombie, signal.SIGCONT)
+        frozen = next(proc for proc in workers if proc.pid == zombie)
+        message = str(outcome["error"])  # the moved task was refused the zombie's shard
+        assert "\n" not in message and "is being written by another shard writer" in message
+        for _ in range(600):  # the zombie finishes its shard or closes, releasing its lock
+            building = Store.open(incomplete_path(out), require_complete=False)
+            if building.committed.all() or frozen.poll() is not None:
+                break
+            time.sleep(0.1)
+        again = run_distributed(grid, address=local.scheduler_address)
     assert again["shards"] <= 1  # the zombie's shard, unless it finished it itself
     assert files_of(out) == files_of(tmp_path / "one.zarr")
     assert Store.open(out).verify() == [] and not incomplete_path(out).exists()
+
+
+def test_a_store_on_s3_survives_a_zombie_worker_with_no_manual_step(demo, tmp_path, monkeypatch):
+    """The same zombie, writing a store to S3 (moto on loopback) with no lock: the first
+    committed copy of each shard wins (a conditional PUT), so the moved task commits the
+    zombie's shard and the run completes. The zombie, woken after finalization, commits its
+    copy into its own staging only; the store stays equal to one process's local store,
+    byte for byte, and the next run keeps it and deletes the zombie's leftovers."""
+    import threading
+
+    import s3fs
+    from local_s3 import local_s3
+
+    from features.store.integrity import verify_store
+    from flows.distributed import ExtractJob, run_distributed
+
+    one_process_store(demo, GRID, tmp_path / "one.zarr")
+    claim = tmp_path / "frozen"
+    url = "s3://stores/grid.zarr"
+    grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", url, GRID, LAYOUT)
+    with local_s3("stores") as options:
+        env = {
+            "AWS_ENDPOINT_URL": options["endpoint_url"],
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        fs = s3fs.S3FileSystem(**options)
+        local_files = files_of(tmp_path / "one.zarr")
+        one_process_store(demo, GRID, "s3://stores/one.zarr")  # one writer, straight to S3
+        uploaded = {p: fs.cat_file(p) for p in sorted(fs.find("stores/one.zarr"))}
+        assert {p.removeprefix("stores/one.zarr/"): b for p, b in uploaded.items()} == local_files
+        with nannyless_workers(3, env) as (local, client, workers):
+            client.run(stop_mid_shard(str(claim), signal.SIGSTOP, remote=True))
+            outcome = {}
+            run = threading.Thread(
+                target=lambda: outcome.update(
+                    run_distributed(grid, address=local.scheduler_address)
+                )
+            )
+            run.start()
+            run.join(timeout=240)
+            assert not run.is_alive() and claim.exists()  # completed with a worker frozen
+            assert outcome["shards"] == 5 and outcome["samples"] == 20
+            store = {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))}
+            assert {p.removeprefix("stores/grid.zarr/"): b for p, b in store.items()} == local_files
+            assert verify_store(url, options) == []
+            os.kill(int(claim.read_text()), signal.SIGCONT)
+            for _ in range(600):  # the zombie commits its copy: into its own staging only
+                fs.invalidate_cache()
+                if fs.exists("stores/grid.zarr.incomplete/_claims"):
+                    break
+                time.sleep(0.1)
+            again = run_distributed(grid, address=local.scheduler_address)
+        assert again["shards"] == 0  # complete: kept
+        fs.invalidate_cache()
+        assert {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))} == store
+        assert not fs.exists("stores/grid.zarr.incomplete")

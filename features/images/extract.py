@@ -35,9 +35,11 @@ from features.images.config import ExtractConfig
 from features.images.extractor import EXTRACTOR_VERSION
 from features.images.report import FEW_REGIONS, NO_REGIONS
 from features.ingest.manifest import Manifest
+from features.store.remote import RemoteStoreWriter
 from features.store.spec import FieldSpec, Provenance, StoreConfig
 from features.store.writer import ShardWriter, StoreWriter
 from infra.device import resolve_device
+from infra.files import is_url
 from infra.finite import NON_FINITE, nonfinite_fields
 
 
@@ -127,15 +129,16 @@ class Timing:
 def image_store_writer(
     extractor: Extractor,
     manifest: Manifest,
-    store_path: Path,
+    store_path: Path | str,
     cfg: ExtractConfig,
     store_cfg: StoreConfig,
     log: Callable[[str], None] = print,
     shards: Sequence[int] | None = None,
-) -> StoreWriter:
+) -> StoreWriter | RemoteStoreWriter:
     """The (unopened) writer of an image store: the extractor's fields plus ``valid``, and
     the provenance that fingerprints it. A coordinator opens it whole to create or
-    finalize the store; with ``shards`` it is a shard writer of those shards only."""
+    finalize the store; with ``shards`` it is a shard writer of those shards only. A
+    store at an fsspec URL (``s3://...``) gets a :class:`RemoteStoreWriter`."""
     fields = {**extractor.fields(), "valid": FieldSpec((), "uint8")}
     provenance = Provenance(
         extractor.name,
@@ -146,6 +149,8 @@ def image_store_writer(
     )
     keys = manifest.table["key"].to_pylist()
     args = (store_path, extractor.kind, fields, keys, provenance, store_cfg)
+    if is_url(store_path):
+        return RemoteStoreWriter(*args, log=log, shards=shards)
     if shards is None:
         return StoreWriter(*args, log=log)
     return ShardWriter(*args, log=log, shards=shards)
@@ -155,7 +160,7 @@ def extract_images(
     extractor: Extractor,
     manifest: Manifest,
     images_root: Path,
-    store_path: Path,
+    store_path: Path | str,
     cfg: ExtractConfig,
     store_cfg: StoreConfig,
     log: Callable[[str], None] = print,

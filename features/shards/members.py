@@ -22,6 +22,7 @@ from pathlib import Path
 
 from features.store.integrity import file_checksum
 from features.store.spec import StoreError
+from infra.files import is_url
 
 REBUILD = "rebuild the shards with `vse shards build`"
 
@@ -82,7 +83,7 @@ def members(
     ``recorded`` (see :class:`Expected`): a local file's data are views of its memory
     map, a remote one's read in sequence."""
     expected = Expected(url, recorded)
-    if "://" not in url or url.startswith("file://"):
+    if not is_url(url) or url.startswith("file://"):
         mapped = _mapped(url.removeprefix("file://"), url)
         view = mapped.view
         if recorded is not None and mapped.verified != recorded["members"]:

@@ -87,10 +87,10 @@ def build_shards(
     A local folder is built aside and moved into place whole (a folder that is not a
     shards folder is refused, not replaced); remote shards lose their old ``sizes.json``
     first and get the new one last, so readers never take a half-written set."""
-    from infra.files import atomic_path
+    from infra.files import atomic_path, is_url
 
     args = (manifest, stores, cfg, progress, text, scene_graphs, scene_graphs_digest)
-    if "://" in str(out):
+    if is_url(out):
         return _build(*args, out, storage_options)
     out = Path(out)
     if out.exists() and not _is_shards_folder(out):

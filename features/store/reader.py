@@ -21,6 +21,7 @@ from features.store.layout import COMMITS, INCOMPLETE, chunk_key
 from features.store.raw import contiguous_rows, shard_index
 from features.store.spec import SCHEMA_VERSION, FieldSpec, StoreError
 from infra.config import one_line
+from infra.files import is_url
 
 IN_MEMORY_BYTES = 64 << 20  # a reader keeps an array this small in memory (read once)
 
@@ -298,7 +299,7 @@ class Store:
     @property
     def _mappable(self) -> bool:
         """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
-        return self.attrs["layout"]["compression"] == "none" and "://" not in self.url
+        return self.attrs["layout"]["compression"] == "none" and not is_url(self.url)
 
     def _mapped_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
         """Shard file ``shard`` (along axis 0) of array ``name`` (a field, or a ragged

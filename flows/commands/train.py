@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from flows.commands import Command, path_in, path_out
+from infra.files import is_url
 from models.registry import MODEL_NAMES
 
 
@@ -51,7 +52,7 @@ def store_location(value: str | None) -> Path | str | None:
     """A store argument: an fsspec URL (``s3://...``) as given, a local path as a ``Path``."""
     if not value:
         return None
-    return value if "://" in value else Path(value)
+    return value if is_url(value) else Path(value)
 
 
 def train_arguments(p) -> None:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infra.config import UserError, one_line, require_extra
+from infra.files import is_url
 
 STATS_BLOCK = 128  # images read at a time for the feature statistics
 
@@ -51,11 +52,6 @@ class FeaturePaths:
 
 class DataError(UserError):
     """A missing or inconsistent input, named with what to do about it."""
-
-
-def is_url(path: Path | str) -> bool:
-    """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
-    return "://" in str(path)
 
 
 def need_path(path: Path | str | None, flag: str, what: str) -> Path | str:
