@@ -14,7 +14,8 @@ def test_repro_runs_everything_once_reproducibly_and_team_b_gets_it_without_reco
 ):
     """The whole DAG (features, five models trained and evaluated, report), then nothing;
     rerun by force, the outputs are byte-identical; team A pushes outputs and run cache,
-    and team B recomputes nothing, with A's dvc.lock or without it (one project for all:
+    and team B recomputes nothing, with A's dvc.lock or without it, and reruns one
+    evaluation from only the outputs it reads (`vse pull`) (one project for all:
     the DAG is the suite's most expensive part, and the first `dvc repro` is the session's
     `reproduced`, which this test checks, then goes on with in a copy of its own)."""
     built, first = reproduced  # the project, the first `dvc repro`'s stdout
@@ -56,6 +57,20 @@ def test_repro_runs_everything_once_reproducibly_and_team_b_gets_it_without_reco
         status = run(["dvc", "status"], clone)
         assert "up to date" in status.stdout, (name, status.stdout)
 
+    # team B reruns one evaluation: `vse pull` fetches what that stage reads, nothing else
+    clone = tmp_path_factory.mktemp("team_b") / "repo"
+    run(["git", "clone", "-q", str(project), str(clone)], clone.parent)
+    pulled = run(["vse", "pull", "evaluate@mvvse"], clone).stdout
+    assert "pull evaluate@mvvse: 8 output(s) of other stages" in pulled, pulled
+    for path in ("data/models/mvvse/best.pt", "data/features/regions.zarr/zarr.json"):
+        assert (clone / path).is_file(), path
+    for path in ("data/demo/images", "data/models/vsepp", "data/features/grid.zarr"):
+        assert not (clone / path).exists(), path  # upstream or beside it: not fetched
+    evaluated = run(["dvc", "repro", "--single-item", "--force", "evaluate@mvvse"], clone)
+    assert "Running stage 'evaluate@mvvse'" in evaluated.stdout
+    for path in ("metrics/evaluate/mvvse.json", "data/gallery/mvvse.json"):
+        assert (clone / path).read_bytes() == (project / path).read_bytes(), path
+
 
 def test_broken_params_fail_before_any_work(project):
     broken = (project / "params.yaml").read_text().replace("n_train", "n_trian")
@@ -79,3 +94,13 @@ def test_committed_lock_matches_the_code(project):
         if path.endswith(".py") and state == "modified"
     ]
     assert not stale, f"dvc.lock is stale for {stale}: run `dvc repro` and commit dvc.lock"
+
+
+def test_pull_names_an_unknown_stage_and_a_missing_remote_in_one_line(project):
+    wrong = run(["vse", "pull", "evaluate@nomodel"], project, check=False)
+    assert wrong.returncode != 0
+    assert "evaluate@nomodel: no such stage in dvc.yaml" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1
+    nowhere = run(["vse", "pull", "evaluate@mvvse"], project, check=False)
+    assert nowhere.returncode != 0 and len(nowhere.stderr.strip().splitlines()) == 1
+    assert "pull evaluate@mvvse: " in nowhere.stderr and "remote" in nowhere.stderr
