@@ -67,6 +67,18 @@ def test_no_info_and_no_attributes_give_the_labels_there_are(tmp_path):
     objects_only = {k: v for k, v in arrays()["info"].items() if k.startswith("objects")}
     row = read_npz(saved(tmp_path, "b.npz", info=objects_only))
     assert set(row) == {"features", "boxes", "image_hw", "objects_id", "objects_conf"}
+    attrs_only = {k: v for k, v in arrays()["info"].items() if k.startswith("attrs")}
+    row = read_npz(saved(tmp_path, "c.npz", info=attrs_only))
+    assert set(row) == {"features", "boxes", "image_hw", "attrs_id", "attrs_conf"}
+
+
+def test_an_image_of_one_region_reads(tmp_path):
+    one = {"objects_id": np.array([5]), "objects_conf": np.float32([0.5])}
+    one |= {"attrs_id": np.array([0]), "attrs_conf": np.float32([0.25])}
+    path = saved(tmp_path, x=np.ones((1, 8), np.float32), bbox=np.ones((1, 4), np.float32),
+                 num_bbox=1, info=one)  # fmt: skip
+    row = read_npz(path)
+    assert row["objects_id"].tolist() == [5] and row["attrs_id"].tolist() == [0]
 
 
 def test_an_image_without_regions_and_the_largest_sizes_read(tmp_path):
@@ -156,6 +168,25 @@ def test_a_npy_array_or_a_truncated_archive_is_not_an_npz(tmp_path):
     cut = tmp_path / "c.npz"
     cut.write_bytes(whole[: len(whole) // 2])
     assert refused(cut) == f"{cut}: not a readable .npz (BadZipFile: File is not a zip file)"
+
+
+def test_a_long_reason_is_cut_to_one_short_line(tmp_path):
+    """An array whose .npy header numpy cannot take: its long complaint is cut to 120
+    characters."""
+    key = "k" * 150
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': (3, 8), '{key}': 1, }}"
+    header += " " * ((64 - (11 + len(header)) % 64) % 64) + "\n"
+    npy = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+    good = saved(tmp_path)
+    path = tmp_path / "long.npz"
+    with zipfile.ZipFile(good) as z, zipfile.ZipFile(path, "w") as out:
+        for name in z.namelist():
+            out.writestr(name, npy if name == "x.npy" else z.read(name))
+    message = refused(path)
+    prefix = f"{path}: not a readable .npz (ValueError: "
+    assert message.startswith(prefix) and message.endswith(")") and "\n" not in message
+    detail = message[len(prefix) : -1]
+    assert detail.startswith("Header does not contain the correct keys") and len(detail) == 120
 
 
 class NumpySave:
@@ -269,6 +300,7 @@ def test_an_import_takes_the_labels_of_the_first_readable_file_and_records_its_s
         f"{folder / 'test_000000.npz'}: not an .npz archive (a zip file): it starts b'<html>'",
     ]
     assert any("test_000000" in m for m in messages)
+    assert store.samples_per_shard == CFG.samples_per_shard  # the layout asked for
     sample = store["test_000003"]
     np.testing.assert_array_equal(sample["attrs_id"], images["test_000003"]["attrs_id"][:36])
     assert capsys.readouterr().out == ""  # every message went to log
@@ -290,3 +322,18 @@ def test_a_folder_of_unreadable_files_fails_in_one_line(tmp_path):
     with pytest.raises(IngestError) as err:
         import_npz(tmp_path / "none", manifest, tmp_path / "s.zarr", CFG)
     assert str(err.value) == f"{tmp_path / 'none'}: not a folder; pass the folder of .npz files"
+
+
+def test_a_key_that_matches_two_files_names_the_file(tmp_path):
+    """Manifest key ``test_000000`` ends in 0, the id of both ``0.npz`` and ``00.npz``."""
+    manifest = tsv_manifest(tmp_path, 2)
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    d = detections(np.random.default_rng(2), 5, h=50, w=60)
+    for image_id in ("0", "00"):
+        save_milvlg(folder, image_id, d)
+    with pytest.raises(IngestError) as err:
+        import_npz(folder, manifest, tmp_path / "r.zarr", CFG, log=lambda m: None)
+    assert str(err.value).startswith(
+        f"{folder / '0.npz'}: manifest key 'test_000000' matches image ids ['0', '00']"
+    )

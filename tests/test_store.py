@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -397,6 +398,56 @@ def test_verify_of_an_incomplete_store_with_damaged_metadata_reads_every_marker(
     problems = verify_store(root)
     assert problems[0].startswith("zarr.json: corrupt (JSONDecodeError: ")
     assert problems[1:] == ["shard 1: not committed (store incomplete)"]
+
+
+def test_verify_of_an_incomplete_store_changes_nothing_and_takes_any_name(tmp_path):
+    """Without its markers' array, verify names it and writes nothing (opening the array
+    to append would leave an empty folder); a store whose name ends in a letter that
+    could be stripped from a URL, or in '/', is read at its own path."""
+    root = half_written(tmp_path / "s.zarr").rename(tmp_path / "regionsX")
+    assert verify_store(f"{root}/") == ["shard 1: not committed (store incomplete)"]
+    shutil.rmtree(root / "_commits")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert verify_store(root)[0] == "_commits/zarr.json: corrupt or missing (FileNotFoundError)"
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_verify_names_each_marker_missing_from_a_cut_markers_array(tmp_path):
+    """The markers' array says 1 shard where the store's attributes say 2: the second
+    shard's marker is named, not skipped."""
+    root = half_written(tmp_path / "s.zarr")
+    meta = json.loads((root / "_commits" / "zarr.json").read_text())
+    meta["shape"] = [1]
+    (root / "_commits" / "zarr.json").write_text(json.dumps(meta))
+    problems = verify_store(root)
+    assert len(problems) == 1 and problems[0].startswith("_commits/c.1: corrupt (IndexError")
+
+
+def test_verify_names_a_damaged_marker_by_the_stores_own_key_layout(tmp_path, monkeypatch):
+    """A store made before the flat keys (``_commits/c/0``) has its damaged marker named by
+    its own path; a reason too long for one line is cut to 200 characters."""
+    root = half_written(tmp_path / "s.zarr")
+    meta = json.loads((root / "_commits" / "zarr.json").read_text())
+    meta["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+    (root / "_commits" / "zarr.json").write_text(json.dumps(meta))
+    for k in (0, 1):
+        old = root / "_commits" / f"c.{k}"
+        if old.exists():
+            (root / "_commits" / "c").mkdir(exist_ok=True)
+            old.rename(root / "_commits" / "c" / str(k))
+    zarr.open_array(root / "_commits", mode="r+")[0] = json.dumps({"shard": 0})
+    assert verify_store(root)[0] == "_commits/c/0: corrupt (ValueError: no file checksums)"
+
+    loads = json.loads
+
+    def long_reason(text, *args, **kwargs):  # for the damaged marker only
+        if text == json.dumps({"shard": 0}):
+            raise ValueError("x" * 300)
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", long_reason)
+    problem = verify_store(root)[0]
+    assert problem.startswith("_commits/c/0: corrupt (ValueError: xxx") and len(problem) == 200
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
