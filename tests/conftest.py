@@ -11,7 +11,8 @@ import pytest
 import yaml
 from strict_skips import pytest_collection_modifyitems, pytest_configure  # noqa: F401
 
-pytest_plugins = ["pytester"]  # tests/test_strict_skips.py runs pytest sessions of its own
+# pytester: tests/test_strict_skips.py runs pytest sessions of its own
+pytest_plugins = ["pytester", "mutation_speed"]
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

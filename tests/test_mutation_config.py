@@ -130,3 +130,16 @@ def test_the_report_scores_unreached_mutants_and_checks_each_pin(tmp_path, monke
     assert mutation.write_pins({"m.x_f__mutmut_5": "eee", "m.x_f__mutmut_2": "zzz"}, listed) == 1
     assert mutation.read_equivalent(listed)["m.x_f__mutmut_5"].pin == "eee"
     assert mutation.read_equivalent(listed)["m.x_f__mutmut_2"].pin == "bbb"  # left for review
+
+
+def test_every_test_left_out_of_mutation_runs_exists_and_is_selected():
+    """``tools/mutation_slow_tests.txt`` names tests of the selection that exist: a renamed
+    or deleted test would otherwise silently return to the runs, or a stale name linger."""
+    from mutation_speed import slow_tests
+
+    selected = set(CONFIG["pytest_add_cli_args_test_selection"])
+    for nodeid in sorted(slow_tests(REPO)):
+        file, name = nodeid.split("::", 1)
+        assert file in selected, f"{nodeid}: its file is not in mutmut's selection"
+        function = name.split("[", 1)[0]
+        assert f"def {function}(" in (REPO / file).read_text(), f"{nodeid}: no such test"

@@ -21,6 +21,7 @@ under ``--min-score``.
     python tools/mutation.py --generate --review   # mutants only: each entry's diff and why
     python tools/mutation.py --pin           # pin entries without a pin (after a review)
     python tools/mutation.py --report --write   # the per-module table for the docs
+    python tools/mutation.py --slow-tests 2     # leave tests over 2 s out of later runs
 """
 
 from __future__ import annotations
@@ -307,6 +308,23 @@ def generate() -> None:
     mm.create_mutants(os.cpu_count() or 1)
 
 
+def add_slow_tests(seconds: float, path: Path | None = None) -> list[str]:
+    """Add to ``tools/mutation_slow_tests.txt`` every test that took more than ``seconds``
+    in mutmut's last stats run (``tests/mutation_speed.py`` leaves them out); returns the
+    added ones. Listed tests stay listed (they are not in the stats of later runs)."""
+    path = path or REPO / "tools" / "mutation_slow_tests.txt"
+    stats = json.loads((REPO / "mutants" / "mutmut-stats.json").read_text())
+    text = path.read_text() if path.is_file() else ""
+    listed = {line.split("#", 1)[0].strip() for line in text.splitlines()}
+    added = sorted(
+        t for t, d in stats["duration_by_test"].items() if d > seconds and t not in listed
+    )
+    lines = [f"{t}  # {stats['duration_by_test'][t]:.0f} s" for t in added]
+    if added:
+        path.write_text(text + "".join(f"{line}\n" for line in lines))
+    return added
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("patterns", nargs="*", help="mutant name globs (default: TARGETS)")
@@ -321,7 +339,17 @@ def main(argv=None) -> int:
         "--write", action="store_true", help=f"write the per-module table to {SCORES.name}"
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--slow-tests",
+        type=float,
+        metavar="SECONDS",
+        help="list the tests slower than this in the last stats run as left out, run nothing",
+    )
     args = ap.parse_args(argv)
+    if args.slow_tests is not None:
+        added = add_slow_tests(args.slow_tests)
+        print(f"{len(added)} test(s) added to mutation_slow_tests.txt: {added}")
+        return 0
     patterns = args.patterns or TARGETS
     if args.generate:
         generate()
