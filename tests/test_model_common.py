@@ -43,6 +43,19 @@ def test_workers_need_a_batch_ahead():
     assert TrainConfig(num_workers=2, prefetch=1).num_workers == 2
 
 
+def test_per_model_settings_override_the_shared_ones_for_that_model_only():
+    cfg = TrainConfig(epochs=3, lr=1e-3, per_model={"mvvse": {"epochs": 5, "batch_size": 8}})
+    mvvse = cfg.for_model("mvvse")
+    assert (mvvse.epochs, mvvse.batch_size, mvvse.lr) == (5, 8, 1e-3)
+    assert mvvse.per_model == {} and isinstance(mvvse, TrainConfig)
+    other = cfg.for_model("vsepp")
+    assert other.model_dump() == cfg.model_dump(exclude={"per_model"}) | {"per_model": {}}
+    with pytest.raises(pydantic.ValidationError, match=r"per_model\.huse\.epochs"):
+        TrainConfig(per_model={"huse": {"epochs": 0}})
+    with pytest.raises(pydantic.ValidationError, match=r"per_model\.huse: epoch: not a train"):
+        TrainConfig(per_model={"huse": {"epoch": 3}})
+
+
 def test_autocast_is_bf16_on_cuda_and_off_elsewhere(monkeypatch):
     with autocast(torch.device("cpu")):
         assert not torch.is_autocast_enabled("cpu")

@@ -13,7 +13,7 @@ from model_data import TinyPairs
 from infra.schedule import lr_factor
 from models.common import TrainConfig
 from models.huse import HUSEConfig
-from models.train import TrainingError, epoch_batches, load_checkpoint, train
+from models.train import TrainingError, epoch_batches, load_checkpoint, train, write_history
 from models.univse import UniVSEConfig
 from models.vsepp import VSEPPConfig
 
@@ -161,3 +161,32 @@ def test_torchrun_two_processes_gloo(tmp_path, repo_root):
     assert (tmp_path / "model" / "best.pt").exists()
     # 32 pairs, batch 8, 2 ranks: 2 steps per epoch per rank
     assert "step 2/2" in result.stdout + result.stderr
+
+
+def test_the_history_files_hold_the_last_and_the_best_epoch_and_a_flat_table(tmp_path):
+    """The metrics file DVC reads (epochs, last, best by val rsum) and the plot table (one
+    row per epoch, nested values left out); nothing is written for an empty history."""
+    history = [
+        {"epoch": 1, "loss": 2.5, "val_rsum": 100.0, "val": {"r1": 1.0}},
+        {"epoch": 2, "loss": 1.5, "val_rsum": 140.0, "val": {"r1": 2.0}},
+        {"epoch": 3, "loss": 1.0, "val_rsum": 120.0, "val": {"r1": 3.0}},
+    ]
+    metrics, plot = tmp_path / "m.json", tmp_path / "p.json"
+    write_history(history, metrics, plot)
+    assert json.loads(metrics.read_text()) == {
+        "epochs": 3,
+        "last": history[2],
+        "best": history[1],
+    }
+    assert json.loads(plot.read_text()) == [
+        {"epoch": e, "loss": loss, "val_rsum": r}
+        for e, loss, r in ((1, 2.5, 100.0), (2, 1.5, 140.0), (3, 1.0, 120.0))
+    ]
+    no_val = [{"epoch": 1, "loss": 3.0}, {"epoch": 2, "loss": 2.0}]
+    write_history(no_val, metrics, None)  # no selection on val: the first epoch is "best"
+    assert json.loads(metrics.read_text())["best"] == no_val[0]
+    write_history(no_val, None, plot)
+    assert json.loads(plot.read_text()) == no_val
+    empty = tmp_path / "e.json"
+    write_history([], empty, empty)
+    assert not empty.exists()

@@ -420,6 +420,71 @@ def test_pca_ignores_everything_but_train():
     np.testing.assert_array_equal(again_axes, axes)
 
 
+def global_source(path, kind, n=13, seed=0):
+    """A small grid or regions store (shards of 4, the last one short) of random
+    features: regions with 0 to 5 of 6 slots used, some samples invalid."""
+    from features.store.spec import Provenance, regions_fields
+    from features.store.writer import StoreWriter
+
+    rng = np.random.default_rng(seed)
+    if kind == "grid":
+        fields = {"pooled": FieldSpec((8,), "float32"), "valid": FieldSpec((), "uint8")}
+        data = {"pooled": rng.standard_normal((n, 8)), "valid": rng.random(n) > 0.2}
+    else:
+        fields = {**regions_fields(6, 8), "valid": FieldSpec((), "uint8")}
+        data = {
+            "features": rng.standard_normal((n, 6, 8)) * 4,
+            "boxes": rng.random((n, 6, 4)),
+            "n_regions": np.r_[0, 1, rng.integers(0, 6, n - 2)],
+            "image_hw": np.tile([40, 60], (n, 1)),
+            "valid": rng.random(n) > 0.2,
+        }
+    keys = [f"img{i:03d}" for i in range(n)]
+    cfg = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
+    provenance = Provenance("test", "1", {}, None, "m" * 64)
+    with StoreWriter(path, kind, fields, keys, provenance, cfg, log=lambda m: None) as w:
+        for shard in w.pending_shards():
+            lo, hi = w.shard_range(shard)
+            w.write_shard(shard, {k: v[lo:hi] for k, v in data.items()})
+    return Store.open(path), data
+
+
+def test_pooled_global_features_are_the_mean_of_the_valid_regions_or_the_grids_pool(tmp_path):
+    from features.images.global_features import pooled_features
+    from infra.config import ConfigError
+
+    store, data = global_source(tmp_path / "r.zarr", "regions")
+    features, valid = pooled_features(store)
+    stored = data["features"].astype(np.float16).astype(np.float32)  # as the store keeps it
+    expected = np.stack(
+        [stored[i, :n].mean(0) if n else np.zeros(8, np.float32)
+         for i, n in enumerate(data["n_regions"])]
+    )  # fmt: skip
+    assert features.dtype == np.float32 and features.shape == (13, 8)
+    np.testing.assert_allclose(features, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(valid, (data["n_regions"] > 0) & data["valid"])
+    grid, data = global_source(tmp_path / "g.zarr", "grid")
+    features, valid = pooled_features(grid)
+    assert features.dtype == np.float32
+    np.testing.assert_array_equal(features, data["pooled"].astype(np.float32))
+    np.testing.assert_array_equal(valid, data["valid"])
+    tokens = tmp_path / "t.zarr"
+    import store_writer_job as job
+
+    job.run(tokens, "tokens", 5, 4)
+    with pytest.raises(ConfigError, match="a tokens store; global features come from a grid"):
+        pooled_features(Store.open(tokens))
+
+
+def test_projection_is_float64_arithmetic_kept_as_float32():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 5)).astype(np.float32) * 1e4
+    mean, axes = fit_pca(rng.standard_normal((40, 5)), 2)
+    out = project(x, mean, axes)
+    assert out.dtype == np.float32 and out.shape == (6, 2)
+    np.testing.assert_array_equal(out, ((x.astype(np.float64) - mean) @ axes.T).astype(np.float32))
+
+
 def test_bad_images_are_reported_not_fatal(tmp_path):
     corpus = make_corpus(tmp_path / "images")
     records = [Record(Path(p).stem, Path(p).name, "train", ["x"]) for p in corpus.values()]

@@ -66,7 +66,7 @@ def pooled_features(source: Store) -> tuple[np.ndarray, np.ndarray]:
         counts = data["n_regions"].astype(np.int64)
         keep = np.arange(data["features"].shape[1])[None, :] < counts[:, None]  # (B, R)
         sums = np.einsum("br,brd->bd", keep.astype(np.float32), data["features"], dtype=np.float32)
-        out.append(sums / np.maximum(counts, 1)[:, None])
+        out.append((sums / np.maximum(counts, 1)[:, None]).astype(np.float32))  # numpy: float32 / int64 is float64
         ok = counts > 0
         if "valid" in data:
             ok &= data["valid"].astype(bool)
