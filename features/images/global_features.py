@@ -66,7 +66,8 @@ def pooled_features(source: Store) -> tuple[np.ndarray, np.ndarray]:
         counts = data["n_regions"].astype(np.int64)
         keep = np.arange(data["features"].shape[1])[None, :] < counts[:, None]  # (B, R)
         sums = np.einsum("br,brd->bd", keep.astype(np.float32), data["features"], dtype=np.float32)
-        out.append((sums / np.maximum(counts, 1)[:, None]).astype(np.float32))  # numpy: float32 / int64 is float64
+        # numpy makes float32 sums over int64 counts float64: the vectors stay float32
+        out.append((sums / np.maximum(counts, 1)[:, None]).astype(np.float32))
         ok = counts > 0
         if "valid" in data:
             ok &= data["valid"].astype(bool)
