@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from features.images.config import ExtractConfig, GridConfig, RegionsConfig
 from features.store.reader import Store
 from features.store.spec import StoreConfig, StoreError
-from infra.files import is_url
+from infra.files import is_url, location
 
 
 class ExtractJob(BaseModel):
@@ -58,7 +58,7 @@ class ExtractJob(BaseModel):
     @property
     def store_location(self) -> Path | str:
         """The store: a local path, or an fsspec URL as given (``s3://...``)."""
-        return self.out if is_url(self.out) else Path(self.out)
+        return location(self.out)
 
     @classmethod
     def make(cls, stage, manifest, images, out, cfg: ExtractConfig, store: StoreConfig):

@@ -105,6 +105,11 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+def location(value: str | Path) -> str | Path:
+    """A path argument as it is meant: an fsspec URL as given, a local path as a ``Path``."""
+    return str(value) if is_url(value) else Path(value)
+
+
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(path) as tmp:

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from flows.commands import Command, path_in, path_out, progress
-from infra.files import is_url
+from infra.files import location
 
 DASK_WORKERS, DASK_ADDRESS = "VSE_DASK_WORKERS", "VSE_DASK_ADDRESS"
 
@@ -68,7 +68,7 @@ def run(args, params) -> int:
     cfg = getattr(params, stage)
     if args.weights:
         cfg = cfg.model_copy(update={"weights": args.weights})
-    out = args.out if is_url(args.out) else Path(args.out)  # a store on S3: written there
+    out = location(args.out)  # a store on S3 is written there
     workers, address = dask_settings(args)
     if workers or address:
         from flows.distributed import ExtractJob, run_distributed

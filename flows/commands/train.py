@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from flows.commands import Command, path_in, path_out
-from infra.files import is_url
+from infra.files import location
 from models.registry import MODEL_NAMES
 
 
@@ -49,10 +49,8 @@ def feature_paths(args):
 
 
 def store_location(value: str | None) -> Path | str | None:
-    """A store argument: an fsspec URL (``s3://...``) as given, a local path as a ``Path``."""
-    if not value:
-        return None
-    return value if is_url(value) else Path(value)
+    """A store argument (:func:`infra.files.location`), or None if not given."""
+    return location(value) if value else None
 
 
 def train_arguments(p) -> None:
