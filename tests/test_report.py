@@ -151,6 +151,27 @@ def test_an_ablation_is_a_row_of_its_own_beside_its_model():
     assert table.count("| huse | UPMC Food-101") == 1
 
 
+def test_ablations_alone_older_results_and_an_unnamed_store():
+    """Only ablation runs (their models' own rows absent): each is named below the table,
+    an unnamed store as such, and its model's papers' row is still shown; a result file
+    from before the val-chosen fusion weight has '-' in those two cells."""
+    older = dict(RESULTS["huse"]["classification"])
+    del older["fusion_weight_image"], older["accuracy_fused_equal"]
+    runs = {
+        "huse-pooled": RESULTS["huse"] | {"model": "huse", "image_store": "global.zarr"},
+        "vsepp-grid": RESULTS["vsepp"] | {"model": "vsepp"},
+    }
+    runs["huse-pooled"] = runs["huse-pooled"] | {"classification": older}
+    table = markdown_table(runs)
+    assert (
+        "\n\nAblations (`models.ablations`): huse-pooled is huse on global.zarr; vsepp-grid is "
+        "vsepp on another image store.\n"
+    ) in table
+    assert "| huse-pooled | 50.0 | 62.5 | 75.0 | - | - | 75.0 | 62.5 | 50.0 | 12.5 |" in table
+    papers = table.split("Reported in the papers")[1]
+    assert papers.count("| huse | UPMC Food-101") == 1 and papers.count("| vsepp | MS-COCO") == 1
+
+
 # as printed in each paper's table (../shared/papers): i2t R@1/5/10, t2i R@1/5/10
 PAPERS = {
     "vsepp": ("UniVSE Table 1", "57.7 | 86.0 | 94.0 | 42.8 | 77.2 | 87.4"),  # VSE++ [11, 2], 1K

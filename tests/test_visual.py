@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -483,6 +484,30 @@ def test_projection_is_float64_arithmetic_kept_as_float32():
     out = project(x, mean, axes)
     assert out.dtype == np.float32 and out.shape == (6, 2)
     np.testing.assert_array_equal(out, ((x.astype(np.float64) - mean) @ axes.T).astype(np.float32))
+
+
+def test_pca_is_the_svds_principal_axes_with_fixed_signs():
+    """fit_pca against the SVD of the centred rows (float32 input computed in float64):
+    the mean, then the top axes by variance, each with its largest loading positive; one
+    row has no variance: its mean, and axes that are unit vectors, without a warning."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((30, 6)) @ rng.standard_normal((6, 6))).astype(np.float32) + 5
+    mean, axes = fit_pca(x, 4)
+    centred = x.astype(np.float64) - x.astype(np.float64).mean(0)
+    vt = np.linalg.svd(centred, full_matrices=False)[2][:4]
+    vt *= np.sign(vt[np.arange(4), np.abs(vt).argmax(1)])[:, None]
+    assert mean.dtype == np.float64 and axes.shape == (4, 6)
+    np.testing.assert_allclose(mean, x.astype(np.float64).mean(0), rtol=1e-12)
+    np.testing.assert_allclose(axes, vt, atol=1e-9)
+    assert (axes[np.arange(4), np.abs(axes).argmax(1)] > 0).all()
+    two_mean, two_axes = fit_pca(x[:2], 1)  # two rows: the axis is their difference
+    diff = (x[1] - x[0]).astype(np.float64)
+    np.testing.assert_allclose(np.abs(two_axes[0]), np.abs(diff) / np.linalg.norm(diff))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one_mean, one_axes = fit_pca(x[:1], 2)
+    np.testing.assert_array_equal(one_mean, x[0].astype(np.float64))
+    assert one_axes.shape == (2, 6) and np.allclose(np.abs(one_axes).sum(1), 1)
 
 
 def test_bad_images_are_reported_not_fatal(tmp_path):

@@ -40,7 +40,7 @@ def fit_pca(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     values, vectors = np.linalg.eigh(cov)
     axes = vectors[:, np.argsort(values)[::-1][:dim]].T
     signs = np.sign(axes[np.arange(len(axes)), np.abs(axes).argmax(axis=1)])
-    return mean, axes * np.where(signs == 0, 1, signs)[:, None]
+    return mean, axes * signs[:, None]  # a unit vector's largest loading is never 0
 
 
 def project(x: np.ndarray, mean: np.ndarray, axes: np.ndarray) -> np.ndarray:
