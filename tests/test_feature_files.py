@@ -181,6 +181,16 @@ def test_damaged_obj36_rows_are_named_and_stored_empty(tmp_path):
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_the_fields_of_a_row_without_boxes_decode_empty():
+    """num_boxes 0: each field is an empty array of its shape, one value per box (ids,
+    confidences), 4 per box (boxes) or any number (features)."""
+    from features.exchange.butd_tsv import _decode
+
+    assert _decode("", 0, None, "objects_id", np.int64).shape == (0,)
+    assert _decode("", 0, 4, "boxes").shape == (0, 4)
+    assert _decode("", 0, -1, "features").shape == (0, 0)
+
+
 def test_export_tsv_of_stores_without_labels_or_boxes(tmp_path):
     manifest = tsv_manifest(tmp_path, 2)
     rng = np.random.default_rng(2)
