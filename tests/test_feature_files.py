@@ -191,6 +191,43 @@ def test_the_fields_of_a_row_without_boxes_decode_empty():
     assert _decode("", 0, -1, "features").shape == (0, 0)
 
 
+def test_the_tsv_format_is_told_by_the_first_rows_field_count(tmp_path):
+    from features.exchange.butd_tsv import index_tsv, tsv_format
+
+    rng = np.random.default_rng(3)
+    write_obj36(tmp_path / "o.tsv", {"1": detections(rng, 2)})
+    (tmp_path / "b.tsv").write_text(tsv_line(0, rng.random((2, 4)), rng.random((2, 8))))
+    assert tsv_format(tmp_path / "o.tsv") == "obj36" and tsv_format(tmp_path / "b.tsv") == "butd"
+    late = tmp_path / "late.tsv"  # 100 rows of 3 fields, then an obj36 row: not probed
+    late.write_text("a\tb\tc\n" * 100 + (tmp_path / "o.tsv").read_text())
+    assert tsv_format(late) == "butd" and tsv_format(late, probe=101) == "obj36"
+    assert tsv_format(tmp_path / "b.tsv", "obj36") == "obj36"  # as asked, unread
+    with pytest.raises(IngestError) as err:
+        tsv_format(tmp_path / "b.tsv", "lxmert")
+    assert str(err.value) == "--format 'lxmert': expected auto, butd or obj36"
+    with pytest.raises(IngestError) as err:
+        index_tsv([tmp_path])
+    assert str(err.value) == f"{tmp_path}: cannot read (Is a directory)"
+    (tmp_path / "empty.tsv").write_text("")
+    with pytest.raises(IngestError, match=r"no TSV image_id matches a manifest key .* vs None\)"):
+        import_butd_tsv([tmp_path / "empty.tsv"], tsv_manifest(tmp_path, 1), tmp_path / "r", CFG)
+
+
+@pytest.mark.parametrize(("ids", "ok"), [([0, 2**31 - 1], True), ([2**31, 1], False)])
+def test_obj36_class_ids_are_checked_against_int32(tmp_path, ids, ok):
+    """Ids 0 to 2**31 - 1 fit the store's int32 field; 2**31 would wrap: refused."""
+    from features.exchange.butd_tsv import MalformedRow, _read_tsv_row
+
+    d = detections(np.random.default_rng(5), 2)
+    d["objects_id"] = np.array(ids, dtype=np.int64)
+    write_obj36(tmp_path / "o.tsv", {"1": d})
+    if ok:
+        assert _read_tsv_row(tmp_path / "o.tsv", 0, 1, "obj36")["objects_id"].tolist() == ids
+    else:
+        with pytest.raises(MalformedRow, match="objects_id 1..2147483648 out of range"):
+            _read_tsv_row(tmp_path / "o.tsv", 0, 1, "obj36")
+
+
 def test_export_tsv_of_stores_without_labels_or_boxes(tmp_path):
     manifest = tsv_manifest(tmp_path, 2)
     rng = np.random.default_rng(2)
