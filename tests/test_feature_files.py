@@ -369,3 +369,18 @@ def test_export_of_one_split_writes_its_images_only(tmp_path):
     test_keys = manifest.split("test")["key"].to_pylist()
     assert (written, skipped) == (3, []) and len(test_keys) == 3
     assert sorted(lxmert_load_obj_tsv(tmp_path / "t.tsv")) == sorted(test_keys)
+
+
+def test_an_id_matching_many_keys_names_the_first_five(tmp_path):
+    """Id 7 is the trailing number of keys a_7 ... f_7: five keys are
+    named in full, more are cut with '...'."""
+    from features.exchange.butd_tsv import match_keys
+
+    for n, shown in ((5, "a_7, b_7, c_7, d_7, e_7"), (6, "a_7, b_7, c_7, d_7, e_7, ...")):
+        keys = [f"{c}_7" for c in "abcdef"[:n]]
+        with pytest.raises(IngestError) as err:
+            match_keys(keys, {"7": "f.tsv:3"})
+        assert str(err.value) == (
+            f"f.tsv:3: image id '7' matches {n} manifest keys ({shown}); name the rows by "
+            "manifest key, or import each split with a manifest of that split only"
+        )

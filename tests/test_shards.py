@@ -415,3 +415,42 @@ def test_damaged_remote_shards_are_one_line(packed, tmp_path, how):
     message = str(err.value)
     assert message.startswith(f"{url}: ") and "\n" not in message and "shards build" in message
     assert f"member {member}: " in message if member else "missing" in message
+
+
+def test_the_shards_own_checks_name_the_file_and_what_to_run(tmp_path):
+    """The manifest, each store's fingerprint (the flag that packs it) and the scene graphs
+    the shards were built from, against what training uses; a missing sizes.json."""
+    from types import SimpleNamespace
+
+    from features.shards.reader import check_sources, read_sizes
+
+    sizes = {"manifest_digest": "m" * 64, "stores": {"regions": {"fingerprint": "f" * 64}}}
+    where = f"{tmp_path}/sizes.json"
+    regions = SimpleNamespace(fingerprint="f" * 64, url="r.zarr")
+    assert check_sources(tmp_path, sizes, "m" * 64, {"regions": regions}) == {"regions": "regions"}
+    with pytest.raises(StoreError) as err:
+        check_sources(tmp_path, sizes, "n" * 64, {"regions": regions})
+    assert str(err.value) == (
+        f"{where}: built from manifest mmmmmmmmmmmm, training uses nnnnnnnnnnnn; rebuild the "
+        "shards (vse shards build) from these stores"
+    )
+    for role, flag in (("global", "--store global=g.zarr"), ("text", "--text g.zarr")):
+        other = SimpleNamespace(fingerprint="g" * 64, url="g.zarr")
+        with pytest.raises(StoreError) as err:
+            check_sources(tmp_path, sizes, "m" * 64, {role: other})
+        assert str(err.value) == (
+            f"{where}: no packed store has the fingerprint gggggggggggg of g.zarr ({role}); "
+            f"rebuild the shards with `vse shards build` and {flag}"
+        )
+    for held, word in ((None, "no"), ("s" * 64, "other")):
+        with pytest.raises(StoreError) as err:
+            check_sources(tmp_path, sizes | {"scene_graphs": held}, "m" * 64, {}, "t" * 64)
+        assert str(err.value) == (
+            f"{where}: the shards hold {word} scene graphs than the scene-graph folder in "
+            "use; rebuild them with --scenegraphs"
+        )
+    with pytest.raises(StoreError) as err:
+        read_sizes(tmp_path / "none")
+    assert str(err.value) == (
+        f"{tmp_path / 'none'}/sizes.json: missing; build the shards with `vse shards build`"
+    )

@@ -67,7 +67,7 @@ def check_sources(
             raise StoreError(
                 f"{where}: no packed store has the fingerprint {store.fingerprint[:12]} of "
                 f"{store.url} ({role}); rebuild the shards with `vse shards build` and "
-                f"--{'text' if role == 'text' else 'store ' + role + '='}{store.url}"
+                f"--{'text ' if role == 'text' else 'store ' + role + '='}{store.url}"
             )
         found[role] = by_print[store.fingerprint]
     if scene_graphs_digest is not None and sizes.get("scene_graphs") != scene_graphs_digest:
