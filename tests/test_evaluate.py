@@ -643,6 +643,8 @@ def test_evaluate_split_and_the_encoders_alone():
     data, _ = hand_split()
     cpu = torch.device("cpu")
     assert evaluate_split(Embeddings(), data, 3, cpu) == pytest.approx(FULL)
+    with made_elsewhere():  # every tensor on the embeddings' device
+        assert evaluate_split(Embeddings(), data, 3, cpu) == pytest.approx(FULL)
     torch.testing.assert_close(encode_images(Embeddings(), data, 3, cpu), data.img)
     torch.testing.assert_close(encode_texts(Embeddings(), data, 3, cpu, n=5), data.txt[:5])
 

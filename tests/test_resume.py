@@ -8,7 +8,7 @@ from model_data import TinyPairs
 from strict_skips import CUDA
 from torch import nn
 
-from infra.resume import restore_training, training_state
+from infra.resume import read_checkpoint, restore_training, training_state
 from models.common import TrainConfig
 from models.huse import HUSEConfig
 from models.train import train
@@ -56,3 +56,34 @@ def test_cuda_training_with_dropout_resumes_exactly(tmp_path):
     a = torch.load(tmp_path / "full" / "last.pt", weights_only=True)["state_dict"]
     b = torch.load(tmp_path / "split" / "last.pt", weights_only=True)["state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_is_read_onto_the_cpu_as_plain_data_or_refused_in_one_line(
+    tmp_path, monkeypatch
+):
+    """Whatever device wrote it, onto the CPU (a CUDA checkpoint loads on a CPU-only
+    machine), with pickled objects refused; a damaged file names itself and what went
+    wrong, then the caller's hint (none by default)."""
+    from infra.config import UserError
+
+    good = tmp_path / "last.pt"
+    torch.save({"epoch": 3, "weights": torch.ones(2)}, good)
+    calls = []
+    load = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    assert read_checkpoint(good, needs=("epoch",))["epoch"] == 3
+    assert calls == [{"map_location": "cpu", "weights_only": True}]
+    bad = tmp_path / "cut.pt"
+    bad.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(UserError) as err:
+        read_checkpoint(bad)
+    message = str(err.value)
+    assert message.startswith(f"{bad}: not a checkpoint torch can read as plain data (")
+    assert message.endswith("); ") and "None" not in message and "\n" not in message
+    with pytest.raises(UserError, match=r"not a checkpoint of this trainer \(no step\); resume"):
+        read_checkpoint(good, hint="resume", needs=("epoch", "step"))
