@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from features.store.integrity import verify_store
+from features.store.integrity import checksums_text, parse_checksums, verify_store
 from features.store.layout import incomplete_path
 from features.store.reader import Store, join_by_key
 from features.store.spec import (
@@ -448,6 +448,27 @@ def test_verify_names_a_damaged_marker_by_the_stores_own_key_layout(tmp_path, mo
     monkeypatch.setattr(json, "loads", long_reason)
     problem = verify_store(root)[0]
     assert problem.startswith("_commits/c/0: corrupt (ValueError: xxx") and len(problem) == 200
+
+
+def vlen_utf8(text: str) -> bytes:
+    """An uncompressed Zarr vlen-utf8 chunk of one string."""
+    data = text.encode()
+    return (1).to_bytes(4, "little") + len(data).to_bytes(4, "little") + data
+
+
+def test_a_checksum_manifest_is_refused_for_exactly_what_is_wrong_with_it():
+    files = {"b/c.0": "crc32c:00000001", "a/zarr.json": "crc32c:00000002"}
+    assert parse_checksums(vlen_utf8(checksums_text(files))) == dict(sorted(files.items()))
+    with pytest.raises(ValueError, match="^not one vlen-utf8 string$"):
+        parse_checksums(b"\x01\x00")
+    with pytest.raises(ValueError, match="^Expecting value"):  # one empty string: no JSON
+        parse_checksums(vlen_utf8(""))
+    with pytest.raises(ValueError, match="^11 bytes for a string of 10$"):
+        parse_checksums(vlen_utf8("abcdefghij")[:11])
+    body = json.loads(checksums_text(files))
+    unsorted = json.dumps({"files": body["files"], "digest": body["digest"]}, separators=(",", ":"))
+    with pytest.raises(ValueError, match="^not in canonical form$"):
+        parse_checksums(vlen_utf8(unsorted))
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
