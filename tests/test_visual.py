@@ -469,9 +469,14 @@ def test_pooled_global_features_are_the_mean_of_the_valid_regions_or_the_grids_p
     assert features.dtype == np.float32
     np.testing.assert_array_equal(features, data["pooled"].astype(np.float32))
     np.testing.assert_array_equal(valid, data["valid"])
-    tokens = tmp_path / "t.zarr"
+    assert valid.dtype == bool
     import store_writer_job as job
 
+    job.run(tmp_path / "plain.zarr", "regions", 9, 4)  # no valid field: valid = any regions
+    plain = Store.open(tmp_path / "plain.zarr")
+    features, valid = pooled_features(plain)
+    np.testing.assert_array_equal(valid, plain.read(0, 9)["n_regions"] > 0)
+    tokens = tmp_path / "t.zarr"
     job.run(tokens, "tokens", 5, 4)
     with pytest.raises(ConfigError, match="a tokens store; global features come from a grid"):
         pooled_features(Store.open(tokens))
