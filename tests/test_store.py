@@ -469,6 +469,8 @@ def test_a_checksum_manifest_is_refused_for_exactly_what_is_wrong_with_it():
     unsorted = json.dumps({"files": body["files"], "digest": body["digest"]}, separators=(",", ":"))
     with pytest.raises(ValueError, match="^not in canonical form$"):
         parse_checksums(vlen_utf8(unsorted))
+    with pytest.raises(ValueError, match="^not a listing of checksums$"):
+        parse_checksums(vlen_utf8(checksums_text({"a/zarr.json": 5})))
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):

@@ -183,6 +183,8 @@ def test_the_history_files_hold_the_last_and_the_best_epoch_and_a_flat_table(tmp
         for e, loss, r in ((1, 2.5, 100.0), (2, 1.5, 140.0), (3, 1.0, 120.0))
     ]
     no_val = [{"epoch": 1, "loss": 3.0}, {"epoch": 2, "loss": 2.0}]
+    write_history([{"epoch": 1}, *history[:1]], metrics, None)  # unvalidated: never best
+    assert json.loads(metrics.read_text())["best"] == history[0]
     write_history(no_val, metrics, None)  # no selection on val: the first epoch is "best"
     assert json.loads(metrics.read_text())["best"] == no_val[0]
     write_history(no_val, None, plot)
