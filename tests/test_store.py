@@ -471,6 +471,18 @@ def test_a_checksum_manifest_is_refused_for_exactly_what_is_wrong_with_it():
         parse_checksums(vlen_utf8(unsorted))
     with pytest.raises(ValueError, match="^not a listing of checksums$"):
         parse_checksums(vlen_utf8(checksums_text({"a/zarr.json": 5})))
+    tampered = json.dumps(body | {"digest": "0" * 64}, sort_keys=True, separators=(",", ":"))
+    with pytest.raises(ValueError, match="^its digest does not match its listing$"):
+        parse_checksums(vlen_utf8(tampered))
+    with pytest.raises(ValueError, match=r"^not a checksum manifest \(KeyError: 'files'\)$"):
+        parse_checksums(vlen_utf8(json.dumps({"digest": "0"}, separators=(",", ":"))))
+
+
+def test_files_of_stores_checksummed_with_sha256_still_verify():
+    from features.store.integrity import _checksum_matches, sha256_bytes
+
+    assert _checksum_matches(b"shard", sha256_bytes(b"shard"))
+    assert not _checksum_matches(b"shard", sha256_bytes(b"shard!"))
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
