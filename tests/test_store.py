@@ -485,6 +485,27 @@ def test_files_of_stores_checksummed_with_sha256_still_verify():
     assert not _checksum_matches(b"shard", sha256_bytes(b"shard!"))
 
 
+def test_verify_checks_an_incomplete_stores_own_arrays_and_skips_writers_files(tmp_path):
+    """A store-level array (e.g. a fitted projection) of an incomplete store is checked
+    against the checksum its attributes record; writers' temporary and lock files are
+    never listed as unexpected files of a complete store."""
+    target = tmp_path / "s.zarr"
+    keys = [f"img{i:04d}" for i in range(16)]
+    cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4)
+    with StoreWriter(target, "regions", job.fields_for("regions"), keys, job.PROVENANCE, cfg) as w:
+        w.write_shard(0, job.shard_data("regions", 0, 8))
+        w.write_extra("mean", np.arange(4.0))
+    root = incomplete_path(target)
+    assert verify_store(root) == ["shard 1: not committed (store incomplete)"]
+    extra = root / "mean" / "c" / "0"
+    extra.write_bytes(extra.read_bytes() + b"x")
+    assert verify_store(root)[1:] == ["mean/c/0: corrupt (checksum mismatch)"]
+    job.run(tmp_path / "whole.zarr", "regions", 10, 8)
+    (tmp_path / "whole.zarr" / "features" / ".c.0.0.0.123.abc.tmp").write_bytes(b"half")
+    (tmp_path / "whole.zarr" / ".lock").write_text("pid 1")
+    assert verify_store(tmp_path / "whole.zarr") == []
+
+
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
     from flows.cli import main
 
