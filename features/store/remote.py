@@ -58,9 +58,8 @@ from features.store.layout import (
     LOCK,
     MANIFEST,
 )
-from features.store.locks import release
-from features.store.spec import SCHEMA_VERSION, FieldSpec, Provenance, StoreConfig, StoreError
-from features.store.writer import StoreWriter
+from features.store.spec import FieldSpec, Provenance, StoreConfig, StoreError
+from features.store.writer import StoreWriter, check_own_shard, own_shards
 
 CLAIMS = "_claims"
 
@@ -75,9 +74,7 @@ class _Scratch(StoreWriter):
         self.publish(shard, text)
 
     def close(self) -> None:  # never finalized here: the remote store is
-        if self._lock_file is not None:
-            release(self._lock_file)
-            self._lock_file = None
+        self._release_lock()
 
 
 class RemoteStoreWriter:
@@ -116,13 +113,9 @@ class RemoteStoreWriter:
         self.fields, self.n_shards = self.scratch.fields, self.scratch.n_shards
         self.shard_range = self.scratch.shard_range
         self.coordinator = shards is None
-        self.only = list(range(self.n_shards)) if shards is None else sorted(set(shards))
-        outside = [k for k in self.only if not 0 <= k < self.n_shards]
-        if outside:
-            raise StoreError(
-                f"store {self.url}: shard(s) {outside} out of range; it has "
-                f"{self.n_shards} shards (0..{self.n_shards - 1})"
-            )
+        self.only = own_shards(
+            self.url, range(self.n_shards) if shards is None else shards, self.n_shards
+        )
         self.reused = False
         self.committed: set[int] = set()
 
@@ -158,8 +151,8 @@ class RemoteStoreWriter:
         if not same and not self.coordinator:
             raise StoreError(
                 f"store {self.url} was made from other inputs or with another layout "
-                f"({self._difference(existing)}); a shard writer never starts a store over: "
-                "recreate it with one coordinator first"
+                f"({self.scratch._difference(existing)}); a shard writer never starts a "
+                "store over: recreate it with one coordinator first"
             )
         self.scratch.open()  # the skeleton, locally
         if not same:
@@ -187,11 +180,7 @@ class RemoteStoreWriter:
     ) -> None:
         """Compute the shard's files locally, stage them and claim the shard
         (:meth:`StoreWriter.write_shard`'s arguments)."""
-        if shard not in self.only:
-            raise StoreError(
-                f"store {self.url}: shard {shard} is not one of this shard writer's shards "
-                f"{self.only}; another writer may be writing it"
-            )
+        check_own_shard(self.url, shard, self.only)
         self.scratch.write_shard(shard, data, notes)
         self.committed.add(shard)
 
@@ -244,20 +233,6 @@ class RemoteStoreWriter:
         except (FileNotFoundError, KeyError, TypeError, ValueError):
             return None
         return attrs if isinstance(attrs, dict) else None
-
-    def _difference(self, attrs: dict) -> str:
-        """The first of the store's identity attributes that differs from this writer's."""
-        mine = {
-            "schema_version": SCHEMA_VERSION,
-            "fingerprint": self.scratch.fingerprint,
-            "layout": self.scratch._layout_attrs(),
-            "n": self.scratch.n,
-        }
-        name, value = next((k, v) for k, v in mine.items() if attrs.get(k) != v)
-        found = attrs.get(name)
-        if name == "fingerprint":
-            found, value = str(found)[:12], value[:12]
-        return f"{name} {found} != {value}"
 
     def _remove(self, path: str) -> None:
         self.fs.invalidate_cache(path)

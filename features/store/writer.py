@@ -132,8 +132,7 @@ class StoreWriter:
         if existing is not None and not self._same_store(existing):
             self.log(
                 f"store {self.target}: the incomplete store was made from other inputs or "
-                f"with another layout (fingerprint {existing.get('fingerprint', '?')[:12]} != "
-                f"{self.fingerprint[:12]}); starting it over"
+                f"with another layout ({self._difference(existing)}); starting it over"
             )
             existing = None
         if existing is None:
@@ -160,8 +159,12 @@ class StoreWriter:
             if read_checksums(*local_fs(self.path))[0] is None:
                 self._write_checksums()  # last: a store with it is whole
             replace_dir(self.path, self.target)  # still holding the lock's descriptor
-        release(self._lock_file)
-        self._lock_file = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_file is not None:
+            release(self._lock_file)
+            self._lock_file = None
 
     def _acquire_lock(self, shared: bool = False) -> None:
         """``.lock``: exclusively for a whole-store writer, shared by shard writers."""
@@ -200,13 +203,25 @@ class StoreWriter:
             return None
         return attrs
 
+    def _difference(self, attrs: dict) -> str | None:
+        """The first of a store's identity attributes that differs from this writer's, as
+        ``"name found != mine"`` (fingerprints cut to 12 characters); None: the same store."""
+        mine = {
+            "schema_version": SCHEMA_VERSION,
+            "fingerprint": self.fingerprint,
+            "layout": self._layout_attrs(),
+            "n": self.n,
+        }
+        for name, value in mine.items():
+            found = attrs.get(name)
+            if found != value:
+                if name == "fingerprint":
+                    found, value = str(found)[:12], value[:12]
+                return f"{name} {found} != {value}"
+        return None
+
     def _same_store(self, attrs: dict) -> bool:
-        return (
-            attrs.get("schema_version") == SCHEMA_VERSION
-            and attrs.get("fingerprint") == self.fingerprint
-            and attrs.get("layout") == self._layout_attrs()
-            and attrs.get("n") == self.n
-        )
+        return self._difference(attrs) is None
 
     def _target_is_this_store(self) -> bool:
         """Whether ``target`` holds a complete store made from the same inputs."""
@@ -493,13 +508,7 @@ class ShardWriter(StoreWriter):
     def __init__(self, *args, shards: Sequence[int], **kwargs):
         super().__init__(*args, **kwargs)
         self._shard_lock_files: list = []
-        self.only = sorted({int(k) for k in shards})
-        outside = [k for k in self.only if not 0 <= k < self.n_shards]
-        if outside:
-            raise StoreError(
-                f"store {self.path}: shard(s) {outside} out of range; it has "
-                f"{self.n_shards} shards (0..{self.n_shards - 1})"
-            )
+        self.only = own_shards(self.path, shards, self.n_shards)
 
     def open(self) -> None:
         """The shared store lock, then one exclusive lock per own shard."""
@@ -518,13 +527,12 @@ class ShardWriter(StoreWriter):
         self._acquire_lock(shared=True)
         try:
             existing = self._existing_attrs()
-            if existing is None or not self._same_store(existing):
-                found = (existing or {}).get("fingerprint", "?")[:12]
+            difference = "not readable" if existing is None else self._difference(existing)
+            if difference:
                 raise StoreError(
                     f"store {self.path} was made from other inputs or with another layout "
-                    f"(fingerprint {found} != {self.fingerprint[:12]}); a shard writer never "
-                    "starts a store over: recreate it with one StoreWriter "
-                    "(the coordinator) first"
+                    f"({difference}); a shard writer never starts a store over: recreate it "
+                    "with one StoreWriter (the coordinator) first"
                 )
             self._lock_shards()
             self._open_group()
@@ -554,18 +562,32 @@ class ShardWriter(StoreWriter):
         for handle in self._shard_lock_files:
             release(handle)
         self._shard_lock_files = []
-        if self._lock_file is not None:
-            release(self._lock_file)
-            self._lock_file = None
+        self._release_lock()
 
     def pending_shards(self) -> list[int]:
         """This writer's uncommitted shards, in order."""
         return [k for k in self.only if k not in self.committed]
 
     def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
-        if shard not in self.only:
-            raise StoreError(
-                f"store {self.path}: shard {shard} is not one of this shard writer's shards "
-                f"{self.only}; another writer may be writing it"
-            )
+        check_own_shard(self.path, shard, self.only)
         super()._write_shard(shard, data, notes)
+
+
+def own_shards(store, shards: Sequence[int], n_shards: int) -> list[int]:
+    """A shard writer's shards, sorted; one out of the store's range is refused."""
+    only = sorted({int(k) for k in shards})
+    outside = [k for k in only if not 0 <= k < n_shards]
+    if outside:
+        raise StoreError(
+            f"store {store}: shard(s) {outside} out of range; it has {n_shards} shards "
+            f"(0..{n_shards - 1})"
+        )
+    return only
+
+
+def check_own_shard(store, shard: int, only: list[int]) -> None:
+    if shard not in only:
+        raise StoreError(
+            f"store {store}: shard {shard} is not one of this shard writer's shards {only}; "
+            "another writer may be writing it"
+        )
