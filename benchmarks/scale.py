@@ -33,7 +33,8 @@ COCO's Karpathy split keeps them at 5,000 images each, which N = 40,000 matches.
 
 One JSON per N (``--out``); ``--plot`` draws seconds against N per stage on log-log axes
 from several JSONs, with each stage's fitted exponent (least-squares slope of log seconds
-on log N), and writes the exponents and a projection of each stage's seconds and peak
+on log N; also of its CPU seconds, which a busy shared machine distorts less than wall
+time), and writes the exponents and a projection of each stage's seconds and peak
 memory at COCO's 123,287 images to ``summary.json``.
 
 Targets:
@@ -310,12 +311,14 @@ def fit(ns: list[int], values: list[float]) -> dict | None:
 
 
 def figure(run: dict, name: str, key: str) -> float:
-    """A stage's ``key`` in a run; for the whole DAG ("dag"), its seconds or its stages'
-    largest peak RSS."""
+    """A stage's ``key`` in a run; for the whole DAG ("dag"), its seconds, its stages' CPU
+    seconds or their largest peak RSS."""
     if name != "dag":
         return run["stages"][name][key]
     if key == "wall_s":
         return run["dag_s"]
+    if key == "cpu_s":
+        return sum(stage[key] for stage in run["stages"].values())
     return max(stage[key] for stage in run["stages"].values())
 
 
@@ -338,10 +341,12 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
         have = [r for r in runs if name == "dag" or name in r["stages"]]
         use = [r for r in fitted if r in have]
         time_fit = fit([r["images"] for r in use], [figure(r, name, "wall_s") for r in use])
+        cpu_fit = fit([r["images"] for r in use], [figure(r, name, "cpu_s") for r in use])
         rss_fit = fit([r["images"] for r in use], [figure(r, name, "peak_rss_mb") for r in use])
         fits[name] = {
             "time_exponent": round(time_fit["exponent"], 3) if time_fit else None,
             "projected_s": round(time_fit["at_coco"], 1) if time_fit else None,
+            "cpu_exponent": round(cpu_fit["exponent"], 3) if cpu_fit else None,
             "rss_exponent": round(rss_fit["exponent"], 3) if rss_fit else None,
             "projected_peak_rss_mb": round(rss_fit["at_coco"]) if rss_fit else None,
         }
