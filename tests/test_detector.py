@@ -211,7 +211,7 @@ def test_items_are_resized_flipped_and_drop_what_cannot_train(demo):
 
 def test_attribute_loss_is_cross_entropy_with_the_uniform_target():
     logits = torch.randn(3, 5)
-    targets = attribute_targets([["a", "c"], [], ["d"]], ["a", "b", "c", "d"], 3)
+    targets = attribute_targets([["a", "c"], [], ["d"]], ["a", "b", "c", "d"])
     assert targets.tolist() == [[0, 0.5, 0, 0.5, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
     by_hand = (
         0.5
@@ -237,7 +237,7 @@ def test_training_forward_has_the_attribute_term(demo):
         {
             "boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]),
             "labels": torch.tensor([1]),
-            "attributes": attribute_targets([["red", "small"]], data.attributes, 1),
+            "attributes": attribute_targets([["red", "small"]], data.attributes),
         }
     ] * 2
     features = model.backbone(images)
@@ -260,7 +260,7 @@ def test_image_head_learns_class_cover_and_attributes(demo):
     model = build_detector_model(cfg, len(data.classes) + 1, len(data.attributes)).train()
     items = DetectionItems(data.split("train"), root / "images", cfg, data.classes, data.attributes)
     batch = [items[(i, False)] for i in range(2)]
-    losses = _losses(model, [b["image"] for b in batch], [b["target"] for b in batch], cfg)
+    losses = _losses(model, [b["image"] for b in batch], [b["target"] for b in batch])
     conv5 = model.backbone.body(torch.stack([b["image"] for b in batch]))["3"]
     logits = model.image_head(conv5)  # (2, classes + attributes)
     n = len(data.classes)

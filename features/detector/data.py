@@ -165,9 +165,8 @@ def read_manifest_boxes(manifest: Manifest, cfg: DetectorConfig) -> DetectionDat
 
 
 def read_coco(train_json: Path, val_json: Path | None, cfg: DetectorConfig) -> DetectionDataset:
-    """COCO instances JSON: train (and val) images with their non-crowd boxes. Malformed
-    annotations (a bbox that is not 4 numbers, a category or image id the file does not
-    define) and boxes wholly outside their image are dropped and reported."""
+    """COCO instances JSON: train (and val) images with their non-crowd boxes; malformed
+    annotations and boxes wholly outside their image are dropped and reported."""
     categories: dict[int, str] = {}
     images: list[DetectionImage] = []
     dropped: Counter = Counter()
@@ -247,15 +246,13 @@ def read_coco(train_json: Path, val_json: Path | None, cfg: DetectorConfig) -> D
                 dropped["images_without_boxes"] += 1
                 continue
             key = Path(files[image_id]).stem
-            image_split = split
-            if val_json is None and held_out(key, cfg.val_fraction, cfg.seed):
-                image_split = "val"
+            held = val_json is None and held_out(key, cfg.val_fraction, cfg.seed)
             images.append(
                 DetectionImage(
                     key,
                     files[image_id],
-                    image_split,
-                    [list(map(float, b)) for b, _ in own],
+                    "val" if held else split,
+                    [b for b, _ in own],
                     [categories[c] for _, c in own],
                 )
             )
@@ -329,20 +326,11 @@ def read_visual_genome(
                 continue
             boxes.append(([x, y, x + w, y + h], _clean_name(names[0]), obj.get("object_id")))
         raw.append((key, image_id, split, boxes))
-    class_counts = Counter(n for _, _, s, bs in raw if s == "train" for _, n, _ in bs)
-    classes = sorted(sorted(class_counts, key=lambda n: (-class_counts[n], n))[: cfg.max_classes])
+    train = [(n, oid) for _, _, split, bs in raw if split == "train" for _, n, oid in bs]
+    classes = _most_frequent(Counter(n for n, _ in train), cfg.max_classes)
     known = set(classes)
-    attr_counts = Counter(
-        a
-        for _, _, s, bs in raw
-        if s == "train"
-        for _, n, oid in bs
-        if n in known
-        for a in attrs_of.get(oid, [])
-    )
-    attributes = sorted(
-        sorted(attr_counts, key=lambda a: (-attr_counts[a], a))[: cfg.max_attributes]
-    )
+    attr_counts = Counter(a for n, oid in train if n in known for a in attrs_of.get(oid, []))
+    attributes = _most_frequent(attr_counts, cfg.max_attributes)
     kept_attrs = set(attributes)
     images = []
     for key, image_id, split, bs in raw:
@@ -366,10 +354,14 @@ def read_visual_genome(
     )
 
 
+def _most_frequent(counts: Counter, k: int) -> list[str]:
+    """The ``k`` most frequent names (ties: by name), sorted by name."""
+    return sorted(sorted(counts, key=lambda n: (-counts[n], n))[:k])
+
+
 def _vg_attributes(path: Path, problem: _Problems) -> dict[int, list[str]]:
-    """object_id -> its attribute names from ``attributes.json``; malformed entries (an
-    image's attributes that are not objects, attributes that are not a list of strings,
-    no object_id) reported and left out."""
+    """object_id -> its attribute names from ``attributes.json``; malformed entries are
+    reported and left out."""
     data = _load_json(path, "Visual Genome attributes")
     if not isinstance(data, list):
         raise DetectionDataError(f"{path}: expected a list of images with 'attributes'")

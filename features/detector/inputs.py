@@ -32,11 +32,10 @@ def resize_for_detection(image: Image.Image, min_side: int, max_side: int):
     return image.resize(size, Image.BILINEAR), scale
 
 
-def batch_images(tensors: Sequence[torch.Tensor], divisible: int = 32) -> ImageList:
-    """Zero-pad (3, H, W) tensors to one batch (sizes rounded up to ``divisible``)."""
-    h = max(t.shape[1] for t in tensors)
-    w = max(t.shape[2] for t in tensors)
-    h, w = -(-h // divisible) * divisible, -(-w // divisible) * divisible
+def batch_images(tensors: Sequence[torch.Tensor]) -> ImageList:
+    """Zero-pad (3, H, W) tensors to one batch (sizes rounded up to a multiple of 32)."""
+    h = -(-max(t.shape[1] for t in tensors) // 32) * 32
+    w = -(-max(t.shape[2] for t in tensors) // 32) * 32
     batch = tensors[0].new_zeros((len(tensors), 3, h, w))
     for i, t in enumerate(tensors):
         batch[i, :, : t.shape[1], : t.shape[2]] = t

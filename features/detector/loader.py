@@ -16,12 +16,13 @@ from features.detector.inputs import keep_list, resize_for_detection, to_tensor
 from infra.resume import ignore_stop_signals
 
 
-def attribute_targets(attributes: list[list[str]] | None, names: list[str], n: int):
-    """(G, 1 + A) targets: uniform over each object's attributes, or "no attribute"."""
+def attribute_targets(attributes: list[list[str]], names: list[str]) -> torch.Tensor:
+    """(G, 1 + A) targets of G objects' ``attributes``: uniform over each object's
+    attributes among ``names``, or "no attribute"."""
     index = {a: i + 1 for i, a in enumerate(names)}
-    out = torch.zeros(n, len(names) + 1)
-    for g in range(n):
-        own = [index[a] for a in (attributes[g] if attributes else []) if a in index]
+    out = torch.zeros(len(attributes), len(names) + 1)
+    for g, own_names in enumerate(attributes):
+        own = [index[a] for a in own_names if a in index]
         if own:
             out[g, own] = 1.0 / len(own)
         else:
@@ -72,7 +73,7 @@ class DetectionItems(Dataset):
         if self.attributes:
             attrs = record.attributes or [[] for _ in record.names]
             kept = [a for a, k in zip(attrs, known.tolist(), strict=True) if k]
-            target["attributes"] = attribute_targets(kept, self.attributes, int(known.sum()))
+            target["attributes"] = attribute_targets(kept, self.attributes)
         return {"index": i, "error": None, "image": tensor, "target": target}
 
 

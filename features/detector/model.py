@@ -59,12 +59,10 @@ def resnet_depth(architecture: str) -> int:
 
 
 def make_resnet(depth: int, zero_init_residual: bool = False) -> torchvision.models.ResNet:
-    """torchvision's ResNet-``depth`` with random weights (torchvision's own init).
-
-    ``zero_init_residual`` (torchvision's option, Goyal et al. 2017) zeroes the last
-    BatchNorm of every residual block, so each block starts as the identity: used when a
-    model is run with no weights at all (``weights: null``), where torchvision's init makes
-    conv5 of a ResNet-152 reach ~1e8 (beyond float16) and every image non-finite."""
+    """torchvision's ResNet-``depth`` with random weights (torchvision's own init);
+    ``zero_init_residual`` (Goyal et al. 2017) zeroes each residual block's last BatchNorm,
+    so blocks start as identities and features of a model with no weights stay finite
+    (torchvision's init takes a ResNet-152's conv5 to ~1e8, beyond float16)."""
     resnet = getattr(torchvision.models, f"resnet{depth}")
     return resnet(weights=None, zero_init_residual=zero_init_residual)
 
@@ -150,12 +148,9 @@ def backbone_with_conv5(model: nn.Module, x: torch.Tensor):
 
 class ImageHead(nn.Module):
     """How much of an image each object class covers and which attributes it has, from its
-    pooled conv5 (a linear layer; :func:`image_loss`). Not part of Anderson et al.: there the
-    trunk comes from ImageNet classification, which is what makes its pooled conv5 a
-    global image descriptor (VSE++, HUSE); a trunk trained from scratch on boxes through an
-    FPN gets conv5 gradients only via the top-down pathway. This image-level loss stands in
-    for that pretraining (``detector.image_loss_weight``; 0, the paper's set-up, builds no
-    head)."""
+    pooled conv5 (a linear layer; :func:`image_loss`). Not in Anderson et al.: it stands in
+    for ImageNet pretraining of a trunk trained from scratch (``detector.image_loss_weight``;
+    0, the paper's set-up, builds no head)."""
 
     def __init__(self, dim: int, outputs: int):
         super().__init__()
@@ -239,6 +234,8 @@ def build_detector_model(
     model's own transform is never used, so images go straight to ``model.backbone``.
     """
     arch = cfg.architecture
+    depth = resnet_depth(arch)
+    conv5_dim = stage_dims(depth)[3]
     rpn = {
         "rpn_pre_nms_top_n_train": cfg.rpn_pre_nms_train,
         "rpn_post_nms_top_n_train": cfg.rpn_post_nms_train,
@@ -258,11 +255,10 @@ def build_detector_model(
         build = getattr(detection, f"fasterrcnn_{arch}")
         model = build(weights=None, weights_backbone=None, num_classes=num_classes, **rpn)
     else:
-        depth = resnet_depth(arch)
-        if arch.endswith("_c4"):
+        if cfg.is_c4:
             backbone = C4Backbone(depth, zero_init_residual)
             head = Res5Head(make_resnet(depth, zero_init_residual).layer4)
-            dim = stage_dims(depth)[3]
+            dim = conv5_dim
             pool = MultiScaleRoIAlign(["0"], output_size=14, sampling_ratio=0)
             sizes = (tuple(cfg.anchors()),)
         else:
@@ -298,8 +294,7 @@ def build_detector_model(
         else None
     )
     if cfg.image_loss_weight > 0:
-        trunk_dim = stage_dims(resnet_depth(arch))[3]
-        model.image_head = ImageHead(trunk_dim, num_classes - 1 + num_attributes)
+        model.image_head = ImageHead(conv5_dim, num_classes - 1 + num_attributes)
     return model
 
 

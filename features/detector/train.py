@@ -4,7 +4,7 @@ Training is Faster R-CNN's approximate joint training (Ren et al. 2015, sec. 3.2
 loss, the sum of the RPN objectness and box terms, the head's classification and box
 terms, and ``attribute_weight`` x the attribute term (Anderson et al. 2018); with
 ``image_loss_weight`` also that x an image-level multi-label term on the trunk's pooled
-conv5 (not in the paper; see :class:`features.detector.ImageHead`). Images are
+conv5 (not in the paper; see :class:`features.detector.model.ImageHead`). Images are
 resized as the ``regions`` stage resizes them (shorter side ``min_side``, longer at most
 ``max_side``) and normalised alike, so the trained detector sees at extraction what it saw
 in training. Optimiser: SGD with momentum or AdamW; linear warm-up, then step decay or a
@@ -117,13 +117,13 @@ def _freeze(model: nn.Module, cfg: DetectorConfig) -> list[nn.Module]:
     trainable = ["layer4", "layer3", "layer2", "layer1", "conv1"][: cfg.trainable_layers]
     if cfg.trainable_layers == 5:
         trainable.append("bn1")
-    trunks = [("backbone.body.", model.backbone.body)]
+    trunks = [model.backbone.body]
     if cfg.is_c4:
-        trunks.append(("roi_heads.box_head.", model.roi_heads.box_head))
+        trunks.append(model.roi_heads.box_head)
     frozen_bn = []
-    for _, trunk in trunks:
+    for trunk in trunks:
         for name, p in trunk.named_parameters():
-            if not any(name.startswith(t) for t in trainable):
+            if not name.startswith(tuple(trainable)):
                 p.requires_grad_(False)
         if cfg.freeze_bn:
             for m in trunk.modules():
@@ -133,7 +133,7 @@ def _freeze(model: nn.Module, cfg: DetectorConfig) -> list[nn.Module]:
     return frozen_bn
 
 
-def _losses(model: nn.Module, images: list[torch.Tensor], targets: list[dict], cfg) -> dict:
+def _losses(model: nn.Module, images: list[torch.Tensor], targets: list[dict]) -> dict:
     """One forward pass of the detector in training mode: the loss terms."""
     batch = batch_images(images)
     features, conv5 = backbone_with_conv5(model, batch.tensors)
@@ -212,14 +212,13 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
         "attributes": attributes,
         "train_keys": [im.key for im in train_images],
     }
-    last_path = out_dir / LAST
     trainer = Trainer(
         "detector",
         model,
         optimizer,
         scheduler,
         identity=identity,
-        last_path=last_path,
+        last_path=out_dir / LAST,
         device=device,
         error=DetectorTrainingError,
         log=log,
@@ -234,24 +233,16 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
         f"{len(train_images)} train / {len(val_images)} val images; {cfg.epochs} epochs of "
         f"{steps_per_epoch} steps on {device}"
     )
-    run = _Epochs(trainer, params, frozen_bn, items, cfg)
-    timing = {}
-
-    def run_epoch(epoch: int, within: dict | None) -> dict:
-        tick = time.perf_counter()
-        row, seen = run.epoch(epoch, within, progress)
-        timing["seconds"], timing["seen"] = time.perf_counter() - tick, seen
-        return row
+    run = _Epochs(trainer, params, frozen_bn, items, cfg, progress)
 
     def after_save(epoch: int, row: dict, state: dict) -> None:
-        seconds = timing["seconds"]
         log(
             f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
             + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("loss_"))
-            + f"), {timing['seen'] / seconds:.1f} img/s, {seconds:.0f} s"
+            + f"), {run.seen / run.seconds:.1f} img/s, {run.seconds:.0f} s"
         )
 
-    history = trainer.fit(cfg.epochs, run_epoch, after_save=after_save)
+    history = trainer.fit(cfg.epochs, run.epoch, after_save=after_save)
     tick = time.perf_counter()
     metrics = evaluate_detector(
         model, val_images, images_root, cfg, classes, attributes, device, progress=progress
@@ -269,23 +260,23 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
 
 
 class _Epochs:
-    """The detector's epochs on a :class:`infra.trainer.Trainer`, resumable mid-epoch."""
+    """The detector's epochs on a :class:`infra.trainer.Trainer`, resumable mid-epoch; the
+    last epoch's images seen and seconds taken are ``seen`` and ``seconds``."""
 
-    def __init__(self, trainer: Trainer, params, frozen_bn, items, cfg):
-        self.trainer, self.model, self.optimizer = trainer, trainer.model, trainer.optimizer
-        self.scheduler, self.device, self.log = trainer.scheduler, trainer.device, trainer.log
-        self.params, self.frozen_bn, self.items, self.cfg = params, frozen_bn, items, cfg
-        self.last_path = trainer.last_path
+    def __init__(self, trainer: Trainer, params, frozen_bn, items, cfg, progress):
+        self.trainer, self.params, self.frozen_bn = trainer, params, frozen_bn
+        self.items, self.cfg, self.progress = items, cfg, progress
         self.weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
         self.skipped: set[int] = set()
+        self.seen, self.seconds = 0, 0.0
 
-    def epoch(self, epoch: int, within: dict | None, progress) -> tuple[dict, int]:
-        """One epoch of steps (from a step checkpoint's ``within``: from its next batch; the
-        skip is computed, the loader is given only the batches after it); returns the
-        history row (mean loss terms, lr) and the images seen. After each step the trainer
-        decides whether ``last.pt`` is written."""
-        model, optimizer, cfg = self.model, self.optimizer, self.cfg
-        model.train()
+    def epoch(self, epoch: int, within: dict | None) -> dict:
+        """One epoch of steps, from a step checkpoint's ``within`` on (the loader is given only
+        the batches after it); returns the history row (mean loss terms, lr). After each
+        step the trainer decides whether ``last.pt`` is written."""
+        tick = time.perf_counter()
+        trainer, cfg = self.trainer, self.cfg
+        trainer.model.train()
         for m in self.frozen_bn:
             m.eval()
         batches = epoch_jobs(len(self.items), cfg, epoch)
@@ -293,7 +284,7 @@ class _Epochs:
         if within is not None:
             first, seen, sums = within["step"], within["seen"], dict(within["sums"])
             self.skipped.update(within["skipped"])
-        bar = progress(total=len(batches) * cfg.batch_size) if progress else None
+        bar = self.progress(total=len(batches) * cfg.batch_size) if self.progress else None
         if bar is not None and first:
             bar.update(first * cfg.batch_size)
         loader = make_loader(self.items, batches[first:], cfg, cfg.seed + epoch)
@@ -302,13 +293,13 @@ class _Epochs:
             for b in batch:
                 if b["error"] is not None and b["index"] not in self.skipped:
                     self.skipped.add(b["index"])
-                    self.log(f"detector: skipping unreadable image {b['error']}")
+                    trainer.log(f"detector: skipping unreadable image {b['error']}")
             if good:
                 self._step(good, sums, epoch, step)
             seen += len(batch)
             if bar is not None:
                 bar.update(len(batch))
-            self.trainer.step_done(
+            trainer.step_done(
                 epoch,
                 step + 1,
                 len(batches),
@@ -321,28 +312,29 @@ class _Epochs:
         if bar is not None:
             bar.close()
         row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
-        row["lr"] = optimizer.param_groups[0]["lr"]
-        return row, seen
+        row["lr"] = trainer.optimizer.param_groups[0]["lr"]
+        self.seen, self.seconds = seen, time.perf_counter() - tick
+        return row
 
     def _step(self, good: list[dict], sums: dict[str, float], epoch: int, step: int) -> None:
         """One optimizer step on the readable images of a batch; adds its terms to ``sums``."""
-        device = self.device
-        images = [b["image"].to(device) for b in good]
-        targets = [{k: v.to(device) for k, v in b["target"].items()} for b in good]
-        parts = _losses(self.model, images, targets, self.cfg)
+        trainer = self.trainer
+        images = [b["image"].to(trainer.device) for b in good]
+        targets = [{k: v.to(trainer.device) for k, v in b["target"].items()} for b in good]
+        parts = _losses(trainer.model, images, targets)
         loss = sum(v * self.weights.get(k, 1.0) for k, v in parts.items())
         if not torch.isfinite(loss):
-            kept = str(self.last_path) if self.last_path.exists() else "none yet"
+            kept = str(trainer.last_path) if trainer.last_path.exists() else "none yet"
             raise DetectorTrainingError(
                 f"detector: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
                 f"Kept the last good checkpoint: {kept}. Lower detector.lr or raise "
                 "detector.warmup_steps, then rerun with --resume"
             )
-        self.optimizer.zero_grad(set_to_none=True)
+        trainer.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        trainer.optimizer.step()
+        trainer.scheduler.step()
         parts["loss"] = loss
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + float(v.detach())

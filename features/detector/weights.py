@@ -100,11 +100,17 @@ def read_checkpoint(spec: str, param: str, allow_pickle: bool = False) -> dict:
         ) from None
     if isinstance(obj, dict) and obj.get("format") == "vse-detector":
         return obj
+    obj = _unwrap(obj)
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise WeightsError(f"{param}: {spec}: holds no state dict (a mapping of tensors)")
+    return obj
+
+
+def _unwrap(obj):
+    """The state dict of a training checkpoint (under ``model`` / ``state_dict``)."""
     for key in ("model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise WeightsError(f"{param}: {spec}: holds no state dict (a mapping of tensors)")
     return obj
 
 
@@ -145,10 +151,7 @@ def _read_pickle(file: Path, spec: str, param: str, allow_pickle: bool) -> dict:
             return super().find_class(module, name)
 
     with open(file, "rb") as f:
-        obj = Arrays(f, encoding="latin1").load()
-    for key in ("model", "state_dict"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
+        obj = _unwrap(Arrays(f, encoding="latin1").load())
     if not isinstance(obj, dict):
         return obj
     return {
@@ -218,19 +221,14 @@ def describe(obj: dict) -> str:
     return "a state dict of an unknown layout"
 
 
-def _prefix_counts(keys: list[str], depth: int = 1) -> str:
-    counts = Counter(".".join(k.split(".")[:depth]) + ".*" for k in keys)
-    return ", ".join(f"{p} {n}" for p, n in counts.most_common(4))
-
-
 def key_summary(missing: list[str], unexpected: list[str]) -> str:
     """``N missing (prefix counts; e.g. ...), M unexpected (...)`` in one line."""
     parts = []
     for what, keys in (("missing", missing), ("unexpected", unexpected)):
         if keys:
-            parts.append(
-                f"{len(keys)} {what} keys ({_prefix_counts(keys)}; e.g. {', '.join(keys[:2])})"
-            )
+            counts = Counter(k.split(".")[0] + ".*" for k in keys).most_common(4)
+            prefixes = ", ".join(f"{p} {n}" for p, n in counts)
+            parts.append(f"{len(keys)} {what} keys ({prefixes}; e.g. {', '.join(keys[:2])})")
     return ", ".join(parts) or "no key differences"
 
 
