@@ -16,16 +16,14 @@ Objects
   quantity nouns ("a couple of", "lots of": the noun after "of" is the object); nouns of
   phrasal prepositions ("front" in "in front of"). Collective nouns stay objects ("a group
   of people": (group, of, people)), but what the group does, its members do ("a herd of
-  elephants walking": (elephant, walk, ...)). SceneGraphParser keeps one compound level and
-  every noun chunk (pronouns included under spaCy 3).
+  elephants walking": (elephant, walk, ...)).
 Attributes
   Adjectives and numbers modifying the noun or any word of its name ("red fire hydrant" ->
   (fire hydrant, red)), adjectival complements of a copula whose subject is the noun, in
   main and relative clauses ("a bus that is red"), and their conjuncts. Colour words are
   attributes even where the tagger reads them as nouns ("an orange rhombus", :data:`COLOURS`).
   Lemmas, except that participles keep their form ("parked", "lit", "smiling"). Quantifiers
-  (several, many, other ...) are not attributes. SceneGraphParser keeps every ``amod`` of the
-  head noun only, so it loses "red" of "red fire hydrant" and takes "several" and "next".
+  (several, many, other ...) are not attributes.
 Relations: (subject, predicate, object), predicate as lemmas
   * noun + preposition, or copula + preposition: the bare preposition, phrasal ones whole:
     (cat, on, mat), (car, in front of, house), (dog, next to, cat), (clock, on the side of,
@@ -39,24 +37,19 @@ Relations: (subject, predicate, object), predicate as lemmas
     (woman, in, room) -- except where the preposition places the direct object: verbs of
     putting and throwing (:data:`PLACING_VERBS`: "putting a pizza into the oven" ->
     (pizza, into, oven)) and a possessed body part ("holding a phone in his hand" ->
-    (phone, in, hand)); "with", "of", "for" and "by" stay on the subject. SceneGraphParser
-    joins verb and preposition only when adjacent and listed in its phrasal-verb table, and
-    never moves a preposition to the object; the old rules here joined every verb with
-    every preposition ("play in");
+    (phone, in, hand)); "with", "of", "for" and "by" stay on the subject;
   * passive agent: (agent, verb, patient), "a field surrounded by trees" -> (tree,
     surround, field); possessive noun: "a man's hand" -> (man, have, hand);
   * subjects: explicit, else the noun a participle or relative clause describes, else the
     subject of the verb this one is conjoined with or subordinate to ("while walking", "to
     catch"); relative pronouns stand for the noun ("a man who is riding a horse", "the
-    pizza that a man is eating") -- a case SceneGraphParser drops;
+    pizza that a man is eating");
   * conjunctions fan out: conjoined subjects, objects, and a modifier after the last of
     conjoined nouns ("two zebras and a giraffe in a field") applies to all of them unless
     another conjunct has its own; lists the parser builds with appositions ("a red circle,
     a blue square and ...") count as conjunctions.
-Verb lemmas are checked against the verb's spelling: spaCy's rule lemmatizer turns
-"riding" into "rid" and "hoping" into "hop"; an -ing/-ed form without a doubled consonant
-cannot come from a consonant-vowel-consonant stem ("rid" -> "ridding"), so the stem + e
-("ride") is taken when the lemmatizer's verb index knows it (:func:`verb_lemma`).
+Verb lemmas are checked against the verb's spelling: "riding" is "ride", not the rule
+lemmatizer's "rid", which would double its consonant (:func:`verb_lemma`).
 
 A few parser errors that are frequent on captions are repaired before the rules run
 (:meth:`Parser._repair`): an -ing participle tagged as a noun heading the real noun ("a
@@ -68,8 +61,7 @@ conjoined with a verb ("holds a baby and smiles"), "X with A and B" lists and pa
 lies on ground", a region caption) is parsed with "the " before it
 (:func:`features.scenegraph.learned.caption_text`).
 
-The stage (:func:`extract_scene_graphs`; its folder is written by
-:mod:`features.scenegraph.files`) loads only the
-components the rules read (:func:`load_pipeline`), parses in batches (``nlp.pipe``,
-optionally in worker processes) and keeps its throughput out of its outputs.
+The stage (:mod:`features.scenegraph.stage`; its folder: :mod:`features.scenegraph.files`)
+loads only the components the rules read, parses in batches (``nlp.pipe``, optionally in
+worker processes) and keeps its throughput out of its outputs.
 """

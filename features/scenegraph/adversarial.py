@@ -10,7 +10,7 @@ fake captions that no longer match the image, made by editing its scene graph.
 
 Each fake caption keeps a scene graph edited the same way, so models that read scene
 graphs (UniVSE) see a consistent input. Vocabularies are the train split's
-(``negative_vocab.json``); choices are seeded per caption key, so the set is reproducible.
+(``negatives.json``); choices are seeded per caption key, so the set is reproducible.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class _Tok:
 class _Builder(Gaps, Placing):
     """The rules over one repaired parse."""
 
-    def __init__(self, toks: list[_Tok], attach=None, record: list | None = None):
+    def __init__(self, toks: list[_Tok], attach, record: list | None = None):
         self.toks = toks
         # attach(v, n1, p, n2, noun) -> True (noun) / False (verb) / None (keep the parse's):
         # the learned prepositional attachment (features.scenegraph.learned); record: a list
@@ -200,6 +200,10 @@ class _Builder(Gaps, Placing):
         """A noun of a phrasal preposition: "front" in "in front of", "left" in "to the left of"."""
         return t.text in RELATIONAL_NOUNS and t.dep == "pobj" and self._of(t) is not None
 
+    def _is_no_object(self, t: _Tok) -> bool:
+        """A relational, frame or quantity noun: what its "of" takes stands in its place."""
+        return self._is_relational(t) or self._is_frame(t) or self._is_quantity(t)
+
     def _is_name_modifier(self, t: _Tok) -> bool:
         head = self.toks[t.head]
         if head.i == t.i or head.pos not in NOUNS or t.i > head.i:
@@ -226,7 +230,7 @@ class _Builder(Gaps, Placing):
         elif dep == "npadvmod" and self.toks[t.head].pos in ("ADJ", "VERB"):  # "snow covered"
             return False
         if t.text in SPECIAL_NOUNS or t.lemma in FRAME_NOUNS:
-            return not (self._is_relational(t) or self._is_frame(t) or self._is_quantity(t))
+            return not self._is_no_object(t)
         return True
 
     def _name(self, t: _Tok) -> list[int]:
@@ -386,9 +390,7 @@ class _Builder(Gaps, Placing):
                 anchor = toks[anchor.head]
             else:
                 break
-        if prep.text == "of" and (
-            self._is_relational(anchor) or self._is_frame(anchor) or self._is_quantity(anchor)
-        ):
+        if prep.text == "of" and self._is_no_object(anchor):
             return  # the outer preposition builds "in front of"; frames relate nothing
         targets: list[tuple[list[_Tok], int]] = []
         for pobj in self._children(prep, "pobj"):
@@ -403,16 +405,13 @@ class _Builder(Gaps, Placing):
         if not targets:
             self._on_it(prep, anchor, words)
             return
-        if (self.attach or self.record is not None) and self._reattach(
-            prep, anchor, words, targets
-        ):
+        if self._reattach(prep, anchor, words, targets):
             return
         if anchor.pos in VERBS:
             self._verb_prepositional(anchor, prep, words, targets)
         elif anchor.pos in NOUNS or self._entities(anchor):
-            for s in self._distribute(anchor, words[0], ("prep",), members=prep.text != "of"):
-                for phrase, o in targets:
-                    self._add(s, phrase, o)
+            subjects = self._distribute(anchor, words[0], ("prep",), members=prep.text != "of")
+            self._add_targets(subjects, targets)
 
     def _attachment_point(self, anchor: _Tok, words: list[_Tok]) -> tuple[_Tok, _Tok] | None:
         """(verb, noun) between which a prepositional phrase headed by ``words`` may attach:
@@ -463,13 +462,10 @@ class _Builder(Gaps, Placing):
             subjects = [name[i] for i in self._subjects(verb) if i in name]
             objects = [name[o] for _, o in targets if o in name]
             self.record.append((key, anchor is noun, subjects, name[noun.i], objects))
-        choice = self.attach(*key, anchor is noun) if self.attach else None
+        choice = self.attach(*key, anchor is noun)
         if choice is None or choice == (anchor is noun):
             return False
-        subjects = [noun.i] if choice else self._subjects(verb)
-        for s in subjects:
-            for phrase_words, o in targets:
-                self._add(s, phrase_words, o)
+        self._add_targets([noun.i] if choice else self._subjects(verb), targets)
         return True
 
     def _verb_prepositional(self, verb: _Tok, prep: _Tok, words, targets) -> None:
@@ -498,6 +494,10 @@ class _Builder(Gaps, Placing):
                 )
                 if objects and (verb.lemma in PLACING_VERBS or owned):
                     subjects = objects  # "put a pizza into the oven", "a phone in his hand"
+        self._add_targets(subjects, targets, verb_words)
+
+    def _add_targets(self, subjects: list[int], targets, verb_words=()) -> None:
+        """Relations from each of ``subjects`` to each (phrase, object) of ``targets``."""
         for s in subjects:
             for phrase, o in targets:
                 self._add(s, [*verb_words, *phrase], o)

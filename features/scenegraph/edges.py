@@ -3,35 +3,26 @@ objects are related and by which predicate, and which modifier words are attribu
 which object, in the conventions of FACTUAL's human-annotated graphs (Li et al. 2023;
 trained on its 37k random-split training graphs by :mod:`features.scenegraph.train_edges`).
 
-Not from a paper: a small feed-forward scorer over features spaCy has already computed,
-so the stage stays in spaCy's throughput class (no second encoder):
+Not from a paper: a small feed-forward scorer (:class:`Scorer`) over what spaCy has already
+computed, so the stage needs no second encoder: the ``doc.tensor`` rows (the ``tok2vec``
+output, 96 wide in ``en_core_web_sm``) of the candidate's two tokens and of the second's
+head, and embeddings of discrete features (:func:`relation_inputs`,
+:func:`attribute_inputs`: lemmas, tags, dependency labels and path, signed distance, the
+rules' own decision, the bag of words between the tokens).
 
-* each token's ``doc.tensor`` row (the ``tok2vec`` output the tagger and parser read;
-  96 wide in ``en_core_web_sm``), for the two tokens of a candidate and the head of the
-  second;
-* embeddings of discrete features: lemmas, POS, tags and dependency labels of the two
-  tokens, the dependency path between them (labels only, and with the prepositions and
-  verbs on it), their signed distance, the rules' own decision for the candidate (the
-  rules' predicate of the pair and of the reversed pair, or whether the rules made the
-  attribute), and the bag of words between them.
+Relations: a softmax over ``none``, ``other`` (a predicate under the vocabulary's floor) and
+the predicate vocabulary, for every ordered pair of object heads. Where the model's choice
+clears its gate (:attr:`EdgeModel.confidence`: to add, drop or change a relation), ``none``
+drops the rules' relations of the pair and a predicate replaces them, unless a rules'
+relation says the same in the convention-neutral reading
+(:func:`features.scenegraph.factual.neutral_predicate`); elsewhere, and for ``other``, the
+rules' relations stand. Attributes: a logistic margin for every (modifier, object head)
+pair; a rules' attribute is dropped below one margin, a new one added above another
+(:attr:`EdgeModel.threshold`); the rules' attributes whose word is no candidate stay.
 
-Relations: a softmax over ``none``, ``other`` (a gold predicate rarer than the
-vocabulary's floor) and the predicate vocabulary, for every ordered pair of the rules'
-object heads. Where the model's choice is at least as probable as its gate
-(:attr:`EdgeModel.confidence`: one to add a relation the rules lack, one to drop a rules'
-relation, one to change a rules' predicate), ``none`` drops the rules' relations of the
-pair and a predicate replaces them, unless a rules' relation already says the same in the
-convention-neutral reading (:func:`features.scenegraph.factual.neutral_predicate`; the
-rules' "sit on" stays where the model says "on", (branch, of, tree) where it says (tree,
-have, branch)); elsewhere, and for ``other``, the rules' relations stand. Attributes: a
-logistic score for every (modifier, object head) pair; a rules' attribute is dropped below
-one margin, a new one added above another (:attr:`EdgeModel.threshold`); the rules'
-attributes whose word is no candidate stay. The gates are set where the project's own
-gold set and the demo's captions keep their scores (:mod:`features.scenegraph.train_edges`).
-
-The weights are one ``.npz`` that ships with the package (:data:`WEIGHTS`); the model is
-used only with the spaCy pipeline it was trained on (name, version and tensor width, as
-recorded in the file), else the rules' graph stands unchanged. Inference is numpy only.
+The weights (:data:`WEIGHTS`, one ``.npz`` shipped with the package) are used only with the
+spaCy pipeline they were trained on (name, version and tensor width), else the rules' graph
+stands unchanged. Inference is numpy only.
 """
 
 from __future__ import annotations
@@ -97,60 +88,48 @@ def distance(i: int, j: int) -> str:
     return f"X:{d}"
 
 
-def relation_features(toks, chains, i: int, j: int, rule: str, reverse: str):
-    """The discrete features of the ordered pair (subject token ``i``, object token ``j``),
-    ``rule``/``reverse``: the rules' predicate lemma of the pair and of the reversed pair
-    ("" for none); and the bag of words between them."""
-    a, b = toks[i], toks[j]
-    d, w = paths(toks, chains, i, j)
-    fields = [
-        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"P:{b.pos}", f"T:{a.dep}",
-        f"T:{b.dep}", f"R:{rule}", f"R:{reverse}", d, w, distance(i, j),
-    ]  # fmt: skip
-    return fields, between(toks, i, j)
-
-
-def attribute_features(toks, chains, m: int, h: int, rule: bool):
-    """The discrete features of modifier token ``m`` as an attribute of object head ``h``
-    (``rule``: whether the rules made it one), and the bag of words between them."""
-    a, b = toks[m], toks[h]
-    d, w = paths(toks, chains, m, h)
-    fields = [
-        f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"G:{a.tag}", f"T:{a.dep}",
-        f"T:{b.dep}", f"L:{toks[a.head].lemma}", d, w, distance(m, h), f"A:{int(rule)}",
-    ]  # fmt: skip
-    return fields, between(toks, m, h)
-
-
 def relation_inputs(toks, chains, heads: list[int], index: dict, relations) -> list[tuple]:
-    """((subject token, object token), features, bag of words) of every ordered pair of the
-    object heads ``heads``; ``relations``: the rules' (as JSON), whose first predicate of
-    the pair and of the reversed pair are features (:func:`relation_features`)."""
+    """((subject token, object token), features, bag of words between them) of every ordered
+    pair of the object heads ``heads``; ``relations``: the rules' (as JSON), whose first
+    predicate lemma of the pair and of the reversed pair ("" for none) are features."""
     lemmas: dict[tuple[int, int], str] = {}
     for r in relations:
         lemmas.setdefault((r["subject"], r["object"]), r["lemma"])
-
-    def rule(i: int, j: int) -> str:
-        return lemmas.get((index[i], index[j]), "")
-
-    return [
-        ((i, j), *relation_features(toks, chains, i, j, rule(i, j), rule(j, i)))
-        for i in heads
-        for j in heads
-        if i != j
-    ]
+    out = []
+    for i in heads:
+        for j in heads:
+            if i == j:
+                continue
+            a, b = toks[i], toks[j]
+            rule = lemmas.get((index[i], index[j]), "")
+            reverse = lemmas.get((index[j], index[i]), "")
+            d, w = paths(toks, chains, i, j)
+            fields = [
+                f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"P:{b.pos}", f"T:{a.dep}",
+                f"T:{b.dep}", f"R:{rule}", f"R:{reverse}", d, w, distance(i, j),
+            ]  # fmt: skip
+            out.append(((i, j), fields, between(toks, i, j)))
+    return out
 
 
 def attribute_inputs(toks, chains, heads, index: dict, name_words: dict, attributes):
-    """((modifier token, object head), features, bag of words) of every attribute candidate
-    (:func:`attribute_candidates`) and object head; ``attributes``: the rules' (as JSON)."""
+    """((modifier token, object head), features, bag of words between them) of every
+    attribute candidate (:func:`attribute_candidates`) and object head; ``attributes``: the
+    rules' (as JSON), whether they hold the pair is a feature."""
     made = {(a["object"], a["attribute"]) for a in attributes}
     candidates = attribute_candidates(toks, index, name_words)
-    return [
-        ((m, h), *attribute_features(toks, chains, m, h, (index[h], toks[m].text) in made))
-        for h in heads
-        for m in candidates
-    ]
+    out = []
+    for h in heads:
+        for m in candidates:
+            a, b = toks[m], toks[h]
+            rule = (index[h], a.text) in made
+            d, w = paths(toks, chains, m, h)
+            fields = [
+                f"L:{a.lemma}", f"L:{b.lemma}", f"P:{a.pos}", f"G:{a.tag}", f"T:{a.dep}",
+                f"T:{b.dep}", f"L:{toks[a.head].lemma}", d, w, distance(m, h), f"A:{int(rule)}",
+            ]  # fmt: skip
+            out.append(((m, h), fields, between(toks, m, h)))
+    return out
 
 
 def token_rows(tensor: np.ndarray, toks, rows: np.ndarray) -> np.ndarray:
@@ -241,8 +220,6 @@ class EdgeModel:
         FACTUAL's conventions, "beneath" -> "under")."""
         if mode == "project":
             return self
-        if mode != "factual":
-            raise ValueError(f"edge model mode {mode!r}: project or factual")
         model = copy.copy(self)
         model.confidence, model.threshold = (0.0, 0.0, 0.0), (0.0, 0.0)
         return model
@@ -297,9 +274,8 @@ class EdgeModel:
         # a rules' relation the model restates in the neutral reading stays as the rules
         # wrote it: "sit on" for "on", (branch, of, tree) for (tree, have, branch)
         restated = {_canonical(*t) for t in proposed}
-        kept += [r for r in graph.relations if r not in kept and _canonical(
-            r["subject"], r["lemma"], r["object"]) in restated]  # fmt: skip
-        said = {_canonical(r["subject"], r["lemma"], r["object"]) for r in kept}
+        kept += [r for r in graph.relations if r not in kept and _canonical_of(r) in restated]
+        said = {_canonical_of(r) for r in kept}
         for s, p, o in proposed:
             if _canonical(s, p, o) not in said:
                 said.add(_canonical(s, p, o))
@@ -343,3 +319,7 @@ def _canonical(subject: int, lemma: str, obj: int) -> tuple[int, str, int]:
     (X, of, Y) is (Y, have, X)."""
     p = _neutral(lemma)
     return (obj, "have", subject) if p == "of" else (subject, p, obj)
+
+
+def _canonical_of(relation: dict) -> tuple[int, str, int]:
+    return _canonical(relation["subject"], relation["lemma"], relation["object"])

@@ -58,8 +58,7 @@ ARTICLES = {"a", "an", "the"}
 INFORMAL = {"guy": "person", "guys": "people", "dude": "person", "dudes": "people"}
 
 # and an attribute "wooden" for a caption's "wood" (103 of the 103 training captions with "wood"
-# and either attribute), "blonde" for "blond" (23 of 23); the next word so rewritten, "slices"
-# as "slice", is in 9 captions and written as it stands in 10 more
+# and either attribute), "blonde" for "blond" (23 of 23)
 SPELLINGS = {"wood": "wooden", "blond": "blonde"}
 
 # closed-class words that start the prepositional part of a predicate ("sit on top of")
@@ -148,13 +147,10 @@ def read_factual(path: str | Path) -> list[tuple[str, Raw]]:
 
 
 def predicted_raw(graph: dict, name: str = "span") -> Raw:
-    """A scene graph as the stage writes it (``SceneGraph.to_json()``, a row of
-    :func:`features.scenegraph.parse_captions`) as a :class:`Raw` graph: objects as written
-    (the matching lemmatises them as it does FACTUAL's: spaCy's lemma of "clothes" in
-    context, "clothe", is not what the rule lemmatizer makes of FACTUAL's "clothes"),
-    attributes and predicates as lemmas (the parser's verb lemmas are checked against the
-    spelling: "riding" is "ride", where the rule lemmatizer alone also offers "rid").
-    ``name="lemma"``: objects as the parser's lemmas."""
+    """A scene graph as the stage writes it (``SceneGraph.to_json()``) as a :class:`Raw`
+    graph: objects by their field ``name`` ("span": as written, so that the matching
+    lemmatises them as it does FACTUAL's; "lemma": the parser's lemmas), attributes and
+    predicates as the parser's lemmas."""
     names = [o[name].lower() for o in graph["objects"]]
     return Raw(
         frozenset(names),
@@ -296,9 +292,9 @@ def score(
     for p, g in zip(predicted, gold, strict=True):
         got, want = tuples(p, lemma, neutral), tuples(g, lemma, neutral)
         for k in KINDS:
-            counts[k]["tp"] += len(got[k] & want[k])
-            counts[k]["fp"] += len(got[k] - want[k])
-            counts[k]["fn"] += len(want[k] - got[k])
+            counts[k].update(
+                tp=len(got[k] & want[k]), fp=len(got[k] - want[k]), fn=len(want[k] - got[k])
+            )
         for side, extra, other in (("fn", want, got), ("fp", got, want)):
             for k in ("objects", "attributes", "relations"):
                 for t in extra[k] - other[k]:

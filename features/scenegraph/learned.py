@@ -1,22 +1,12 @@
-"""Predicate choices learned from FACTUAL's training graphs (Li et al. 2023; 37k Visual Genome
-region captions, FACTUAL's ``random_train.csv``), where a rule cannot see the
-choice: "a man in a red shirt" is (man, wear, shirt), "a woman with glasses" (woman, wear,
-glasses), while "a cat in a box" stays (cat, in, box).
+"""Choices learned from FACTUAL's training graphs (Li et al. 2023; 37k Visual Genome region
+captions, ``random_train.csv``) where a rule cannot see them, applied from the tables of the
+generated module :mod:`features.scenegraph.learned_predicates` (written, with the training
+file's SHA-256, by ``python -m features.scenegraph.train_learned``):
 
-The model is a table (preposition, object head) -> predicate, mined by
-:func:`features.scenegraph.train_learned.mine`: the
-stage's parser runs over the training captions; each of its relations whose predicate is a
-bare preposition is aligned with the gold relation of the same (subject, object) pair; a
-(preposition, object) key whose aligned gold predicate is another one -- and another one in
-the convention-neutral matching too, so that "on" is never turned into "sit on" -- in at
-least ``share`` of at least ``min_count`` aligned cases is kept. The table is written as the
-Python module :mod:`features.scenegraph.learned_predicates` (it ships with the package, and
-the DAG's code dependencies see it), with the training file's SHA-256. Reproduce:
-
-    python -m features.scenegraph.train_learned [--train FACTUAL/random_train.csv]
-
-:func:`relabel` applies it to a graph: the lemma changes, the surface form stays the
-caption's words (adversarial captions replace words of the caption).
+* predicates (:func:`relabel`): "a man in a red shirt" is (man, wear, shirt), "a woman with
+  glasses" (woman, wear, glasses), while "a cat in a box" stays (cat, in, box);
+* prepositional attachment (:func:`attach`): whether a phrase goes to the verb or its noun;
+* an article before a caption whose first word is an object (:func:`caption_text`).
 """
 
 from __future__ import annotations
@@ -29,11 +19,8 @@ from features.scenegraph.lexicon import canonical_predicate, normalise_case
 def caption_text(text: str, starts: frozenset[str] = NOUN_STARTS) -> str:
     """The text spaCy parses for a caption: :func:`normalise_case`, then "the " before a
     caption that starts with a word FACTUAL's annotators read as an object
-    (:data:`NOUN_STARTS`, mined by :func:`features.scenegraph.train_learned.noun_starts`).
-    Region captions drop their articles ("surfboard in the sand", "bear lies on ground"),
-    and the small model then reads the first word as an adverb or a verb ("bear" as the
-    root verb with "lies" as its object); with the article it reads the noun phrase. The
-    graph does not change otherwise: its names and spans are words of the caption."""
+    (:data:`NOUN_STARTS`): without the article a region caption's first word is often read
+    as an adverb or a verb ("bear lies on ground": "bear" the root verb)."""
     text = normalise_case(text)
     word = text.split(maxsplit=1)[0] if text.strip() else ""
     if word.lower() not in starts:
@@ -47,8 +34,8 @@ def caption_text(text: str, starts: frozenset[str] = NOUN_STARTS) -> str:
 def relabel(graph: SceneGraph, table: dict[tuple[str, str], str] = PREDICATES) -> SceneGraph:
     """``graph`` with every predicate lemma in its canonical form
     (:func:`features.scenegraph.lexicon.canonical_predicate`), then the learned predicate of
-    every relation whose (predicate lemma, object head lemma) the table holds (in place;
-    returned for chaining)."""
+    every relation whose (predicate lemma, object head lemma) the table holds; the surface
+    form stays the caption's words (in place; returned for chaining)."""
     kept = {}
     for r in graph.relations:
         head = graph.objects[r["object"]]["lemma"].split()[-1]
@@ -83,10 +70,8 @@ def attach(
     the first level with counts deciding by majority; None where that level is a tie or no
     level has counts (the parse's choice stands)."""
     for level in backoff(noun, v, n1, p, n2):
-        nouns = verbs = 0
-        for key in level:
-            n, vb = table.get(key, (0, 0))
-            nouns, verbs = nouns + n, verbs + vb
+        nouns = sum(table.get(key, (0, 0))[0] for key in level)
+        verbs = sum(table.get(key, (0, 0))[1] for key in level)
         if nouns != verbs:
             return nouns > verbs
         if nouns:

@@ -14,11 +14,9 @@ class Placing:
     :class:`features.scenegraph.builder._Builder`, whose state and helpers it uses)."""
 
     def _on_it(self, prep, anchor, words) -> None:
-        """ "A building with a clock on it", "the building has bricks on it", "a plate with a
-        fork and a knife on it", "a table with a laptop sitting on it", "a car with a canoe
-        on top of it": (clock, on, building), (brick, on, building), (fork, on, plate),
-        (laptop, sit on, table), (canoe, on top of, car), in place of the "with"/"have"
-        relation (FACTUAL's annotators write only the placing one)."""
+        """The placing relation of ``prep`` whose object is "it" or "them": (clock, on,
+        building), (fork, on, plate) for "a plate with a fork and a knife on it", (laptop,
+        sit on, table), (canoe, on top of, car)."""
         toks = self.toks
         pobjs = self._children(prep, "pobj")
         if pobjs and self._is_relational(pobjs[0]):  # "on top of it"

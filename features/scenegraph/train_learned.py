@@ -89,9 +89,13 @@ def noun_starts(rows, lemma, min_count: int = 5, share: float = 0.8) -> dict[str
 def mine(
     pairs, lemma, min_count: int = 8, share: float = 0.6
 ) -> tuple[dict[tuple[str, str], str], dict]:
-    """The table from (predicted Raw graph, gold Raw graph) pairs
-    (:mod:`features.scenegraph.factual`), and the evidence of each kept key (counts of the
-    aligned gold predicates)."""
+    """The table (preposition, object head) -> predicate from (predicted Raw graph, gold Raw
+    graph) pairs (:mod:`features.scenegraph.factual`), and the evidence of each kept key
+    (counts of the aligned gold predicates): each predicted relation whose predicate is a
+    bare preposition is aligned with the gold relations of its (subject, object) pair; a key
+    is kept whose most frequent aligned gold predicate is another one in at least ``share``
+    of at least ``min_count`` cases, and another one in the convention-neutral reading too
+    (so "on" is never turned into "sit on")."""
     counts: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for predicted, gold in pairs:
         got, want = tuples(predicted, lemma), tuples(gold, lemma)
