@@ -1,5 +1,5 @@
-"""A local S3 endpoint (moto's threaded server on 127.0.0.1) for the tests that read and
-write ``s3://`` URLs: no network, no credentials."""
+"""A local S3 endpoint (moto's threaded server, on 127.0.0.1 unless given another local
+address) for the tests that read and write ``s3://`` URLs: no network, no credentials."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ _SERVERS: dict[str, object] = {}  # endpoint URL -> its running server
 
 
 @contextmanager
-def local_s3(bucket: str) -> Iterator[dict]:
-    """A running endpoint with ``bucket`` created; yields the fsspec storage options
-    that reach it, and stops the server afterwards."""
+def local_s3(bucket: str, host: str = "127.0.0.1") -> Iterator[dict]:
+    """A running endpoint on ``host`` with ``bucket`` created; yields the fsspec storage
+    options that reach it, and stops the server afterwards."""
     import boto3
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
     options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
+        "endpoint_url": f"http://{host}:{port}",
         "key": "test",
         "secret": "test",
         "client_kwargs": {"region_name": "us-east-1"},
@@ -57,7 +57,7 @@ def start_endpoint(options: dict) -> None:
     """(Re)start the endpoint of ``options`` on its port."""
     from moto import server as moto_server
 
-    port = int(options["endpoint_url"].rsplit(":", 1)[1])
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    host, port = options["endpoint_url"].removeprefix("http://").rsplit(":", 1)
+    server = moto_server.ThreadedMotoServer(ip_address=host, port=int(port), verbose=False)
     server.start()
     _SERVERS[options["endpoint_url"]] = server

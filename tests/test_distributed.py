@@ -3,7 +3,9 @@ fanned out over a 2-worker Dask LocalCluster by Prefect, both ending identical t
 single-writer run."""
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,10 +239,11 @@ def stop_mid_shard(claim: str, sig: int, remote: bool = False):
 
 
 @contextlib.contextmanager
-def nannyless_workers(n: int, env: dict):
-    """A scheduler that drops a worker 3 s after its last heartbeat, and ``n`` worker
-    processes without nannies (nothing restarts or stops a frozen one); yields the
-    cluster, a client and the workers' processes."""
+def nannyless_workers(n: int, env: dict, host: str | None = None, namespaces: dict | None = None):
+    """A scheduler (on ``host``, else loopback) that drops a worker 3 s after its last
+    heartbeat, and ``n`` worker processes without nannies (nothing restarts or stops a
+    frozen one); worker i runs in network namespace ``namespaces[i] = (name, address)``
+    if given. Yields the cluster, a client and the workers' processes."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -248,12 +251,19 @@ def nannyless_workers(n: int, env: dict):
     env = {**os.environ, **env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     with (
         dask.config.set({"distributed.scheduler.worker-ttl": "3s"}),
-        LocalCluster(n_workers=0, dashboard_address=None) as local,
+        LocalCluster(n_workers=0, host=host, dashboard_address=None) as local,
         Client(local.scheduler_address) as client,
     ):
         worker = [sys.executable, "-m", "dask", "worker", local.scheduler_address]
         worker += ["--no-nanny", "--nthreads", "1", "--no-dashboard"]
-        workers = [subprocess.Popen(worker, env=env, stderr=subprocess.DEVNULL) for _ in range(n)]
+        workers = []
+        for i in range(n):
+            name, address = (namespaces or {}).get(i, (None, None))
+            where = ["ip", "netns", "exec", name] if name else []
+            listen = ["--host", address] if address else []
+            workers.append(
+                subprocess.Popen([*where, *worker, *listen], env=env, stderr=subprocess.DEVNULL)
+            )
         try:
             client.wait_for_workers(n, timeout=120)
             yield local, client, workers
@@ -439,6 +449,209 @@ def test_a_store_on_s3_survives_a_zombie_worker_with_no_manual_step(demo, tmp_pa
                 if fs.exists("stores/grid.zarr.incomplete/_claims"):
                     break
                 time.sleep(0.1)
+            again = run_distributed(grid, address=local.scheduler_address)
+        assert again["shards"] == 0  # complete: kept
+        fs.invalidate_cache()
+        assert {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))} == store
+        assert not fs.exists("stores/grid.zarr.incomplete")
+
+
+# ------------------------------------------------------------------ a machine cut off
+
+
+@contextlib.contextmanager
+def network_namespace(name: str, host: str, inside: str):
+    """A network namespace ``name`` (a machine of its own on the network) joined to this
+    one by a veth pair: this side ``host``, the namespace's side ``inside`` (a /30).
+    Yields this side's interface: ``ip link set IF down`` cuts the namespace off,
+    ``up`` reconnects it. Needs root (CI and this project's machines run as root)."""
+    here, there = f"{name[:10]}-h", f"{name[:10]}-n"
+
+    def ip(*args: str) -> None:
+        done = subprocess.run(["ip", *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr.strip()}"
+
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)  # a killed run's
+    subprocess.run(["ip", "link", "del", here], capture_output=True)
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", name)
+        ip("addr", "add", f"{host}/30", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", name, "addr", "add", f"{inside}/30", "dev", there)
+        ip("-n", name, "link", "set", there, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        yield here
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # and its veth end
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+
+
+@contextlib.contextmanager
+def forwarded(port: int, host: str):
+    """A TCP forwarder from ``host``:(a free port) to 127.0.0.1:``port``: a server that
+    listens on loopback only (Prefect's temporary API) made reachable from a namespace.
+    Yields the forwarder's port."""
+    import socket
+    import socketserver
+    import threading
+
+    def pump(source, sink) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    class Pipe(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            with socket.create_connection(("127.0.0.1", port)) as upstream:
+                back = threading.Thread(target=pump, args=(upstream, self.request), daemon=True)
+                back.start()
+                pump(self.request, upstream)
+                back.join()
+
+    server = socketserver.ThreadingTCPServer((host, 0), Pipe)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def cut_mid_shard(claim: str, cut: str):
+    """What :meth:`distributed.Client.run` installs in the worker to be cut off: after its
+    first staged upload of a shard, it writes its pid to ``claim`` and waits (up to a
+    minute) until ``cut`` exists, the test having cut its network meanwhile; then it goes
+    on to claim the shard, over a network that is gone."""
+
+    def arm():
+        import os
+        import time
+
+        from features.store.remote import RemoteStoreWriter
+
+        stage = RemoteStoreWriter._claim
+
+        def stage_then_wait(self, *args):
+            put = self.fs.put_file
+
+            def put_then_wait(*put_args, **kwargs):
+                put(*put_args, **kwargs)
+                if os.path.exists(claim):
+                    return
+                with open(claim, "w") as f:
+                    f.write(str(os.getpid()))
+                for _ in range(600):
+                    if os.path.exists(cut):
+                        return
+                    time.sleep(0.1)
+
+            self.fs.put_file = put_then_wait
+            try:
+                stage(self, *args)
+            finally:
+                del self.fs.put_file
+
+        RemoteStoreWriter._claim = stage_then_wait
+
+    return arm
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2's ip for network namespaces (CI runs as root)",
+)
+def test_a_worker_cut_off_the_network_mid_shard_loses_it_to_the_moved_task(
+    demo, tmp_path, monkeypatch
+):
+    """Three Dask workers write a store to S3; one runs on a machine of its own (a network
+    namespace, joined by a veth pair to the scheduler's and the S3 endpoint's). After its
+    first staged upload its network is cut: the scheduler drops it after its heartbeats
+    stop and gives its task to another worker, and the run completes with no manual step,
+    the store equal to one process's local store byte for byte. The network is then
+    restored and the cut-off worker, a zombie, goes on with its write: it can only lose
+    (its claim comes after the moved task's, or after the store was finalized), the store
+    stays as it was, and the next run keeps it and deletes the zombie's leftovers."""
+    import contextvars
+    import threading
+
+    import s3fs
+    from local_s3 import local_s3
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from features.store.integrity import verify_store
+    from flows.distributed import ExtractJob, run_distributed
+
+    one_process_store(demo, GRID, tmp_path / "one.zarr")
+    local_files = files_of(tmp_path / "one.zarr")
+    claim, cut = tmp_path / "cut-off", tmp_path / "network-cut"
+    url = "s3://stores/grid.zarr"
+    grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", url, GRID, LAYOUT)
+    host, inside = "10.231.7.1", "10.231.7.2"
+    api = SubprocessASGIServer()  # Prefect's temporary API, on loopback
+    api.start()
+    with (
+        network_namespace("vse-cut", host, inside) as link,
+        local_s3("stores", host=host) as options,
+        forwarded(api.port, host) as api_port,
+        temporary_settings(updates={PREFECT_API_URL: f"http://{host}:{api_port}/api"}),
+    ):
+        env = {
+            "AWS_ENDPOINT_URL": options["endpoint_url"],
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "PREFECT_API_URL": f"http://{host}:{api_port}/api",  # every machine's API
+        }
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        fs = s3fs.S3FileSystem(**options)
+        with nannyless_workers(3, env, host=host, namespaces={0: ("vse-cut", inside)}) as (
+            local,
+            client,
+            workers,
+        ):
+            remote = [a for a in client.scheduler_info()["workers"] if f"//{inside}:" in a]
+            assert len(remote) == 1, client.scheduler_info()["workers"].keys()
+            client.run(cut_mid_shard(str(claim), str(cut)), workers=remote)
+            outcome = {}
+            run = threading.Thread(  # in this context: Prefect's settings are context vars
+                target=contextvars.copy_context().run,
+                args=(
+                    lambda: outcome.update(run_distributed(grid, address=local.scheduler_address)),
+                ),
+            )
+            run.start()
+            for _ in range(1200):
+                if claim.exists() or not run.is_alive():
+                    break
+                time.sleep(0.1)
+            assert claim.exists(), "the worker in the namespace staged no shard"
+            subprocess.run(["ip", "link", "set", link, "down"], check=True)
+            cut.touch()
+            run.join(timeout=240)
+            assert not run.is_alive(), "the run did not complete with a worker cut off"
+            assert outcome["shards"] == 5 and outcome["samples"] == 20
+            store = {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))}
+            assert {p.removeprefix("stores/grid.zarr/"): b for p, b in store.items()} == local_files
+            assert verify_store(url, options) == []
+            subprocess.run(["ip", "link", "set", link, "up"], check=True)
+            for _ in range(900):  # reconnected, the zombie finishes its write: its claim
+                fs.invalidate_cache()  # lands in a staging that belongs to no store
+                if fs.exists("stores/grid.zarr.incomplete/_claims"):
+                    break
+                time.sleep(0.1)
+            assert fs.exists("stores/grid.zarr.incomplete/_claims"), "the zombie never wrote"
+            late = [
+                json.loads(fs.cat_file(p)) for p in fs.ls("stores/grid.zarr.incomplete/_claims")
+            ]
+            assert [c["writer"].split("-")[-2] for c in late] == [claim.read_text()]
+            assert {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))} == store
             again = run_distributed(grid, address=local.scheduler_address)
         assert again["shards"] == 0  # complete: kept
         fs.invalidate_cache()
