@@ -31,7 +31,7 @@ The val and test splits grow with N here (the demo's proportions, 6:1:1), so val
 evaluation, whose similarity matrices are (images x captions) of a split, grow as N squared;
 COCO's Karpathy split keeps them at 5,000 images each, which N = 40,000 matches.
 
-One JSON per N (``--out``); ``--plot`` draws seconds against N per stage on log-log axes
+One JSON per N (``--out``); ``--plot`` draws CPU seconds against N per stage on log-log axes
 from several JSONs, with each stage's fitted exponent (least-squares slope of log seconds
 on log N; also of its CPU seconds, which a busy shared machine distorts less than wall
 time), and writes the exponents and a projection of each stage's seconds and peak
@@ -71,6 +71,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale"
 COCO_IMAGES = 123_287
+WEB_IMAGES = 3_000_000  # a web-sized set (e.g. Conceptual Captions' 3.3M)
 FIT_RANGE = (5_000, 40_000)  # the runs the targets' exponents are fitted on, when present
 TARGETS = {
     "max_time_exponent": 1.1,
@@ -310,6 +311,30 @@ def fit(ns: list[int], values: list[float]) -> dict | None:
     return {"exponent": float(slope), "at_coco": float(np.exp(intercept) * COCO_IMAGES**slope)}
 
 
+def linear_projections(runs: list[dict]) -> dict | None:
+    """Each stage's marginal cost per image between the two largest runs (CPU and wall
+    seconds), and its seconds at COCO's and a web-sized set's images projected linearly
+    from the largest run (fixed costs counted once: a projection of what a stage that
+    scales linearly takes, next to the power law's); None with fewer than two sizes."""
+    if len({r["images"] for r in runs}) < 2:
+        return None
+    small, large = runs[-2], runs[-1]
+    extra = large["images"] - small["images"]
+    out = {"between_images": [small["images"], large["images"]]}
+    for name in [*large["stages"], "dag"]:
+        if name != "dag" and name not in small["stages"]:
+            continue
+        row = {}
+        for key, label in (("wall_s", "s"), ("cpu_s", "cpu_s")):
+            per_image = (figure(large, name, key) - figure(small, name, key)) / extra
+            row[f"{label}_per_1000_images"] = round(per_image * 1000, 2)
+            for size, tag in ((COCO_IMAGES, "coco"), (WEB_IMAGES, "3m")):
+                projected = figure(large, name, key) + per_image * (size - large["images"])
+                row[f"{label}_at_{tag}_h"] = round(projected / 3600, 2)
+        out[name] = row
+    return out
+
+
 def figure(run: dict, name: str, key: str) -> float:
     """A stage's ``key`` in a run; for the whole DAG ("dag"), its seconds, its stages' CPU
     seconds or their largest peak RSS."""
@@ -350,12 +375,18 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
             "rss_exponent": round(rss_fit["exponent"], 3) if rss_fit else None,
             "projected_peak_rss_mb": round(rss_fit["at_coco"]) if rss_fit else None,
         }
-        label = f"{name} (k={time_fit['exponent']:.2f})" if time_fit else name
-        style = {"color": "black", "linewidth": 3} if name == "dag" else {"color": colours(i)}
-        seconds = [figure(r, name, "wall_s") for r in have]
+        label = f"{name} (k={cpu_fit['exponent']:.2f})" if cpu_fit else name
+        style = (
+            {"color": "black", "linewidth": 3}
+            if name == "dag"
+            else {"color": colours(i % 20), "linestyle": "-" if i < 20 else "--"}
+        )
+        seconds = [figure(r, name, "cpu_s") for r in have]
         ax.plot([r["images"] for r in have], seconds, marker="o", label=label, **style)
-    ax.set(xscale="log", yscale="log", xlabel="images (N)", ylabel="seconds")
-    ax.set_title("Each stage's dvc repro --single-item seconds against N (k: fitted exponent)")
+    ax.set(xscale="log", yscale="log", xlabel="images (N)", ylabel="CPU seconds")
+    ax.set_title(
+        "Each stage's CPU seconds (dvc repro --single-item) against N (k: fitted exponent)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
@@ -383,16 +414,42 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
         if at_40k
         else None,
     }
+    linear = linear_projections(runs)
     summary = {
         "runs": [r["images"] for r in runs],
         "fitted_on_images": sorted({r["images"] for r in fitted}),
         "projected_to_images": COCO_IMAGES,
         "stages": fits,
+        "linear": linear,
         "targets": TARGETS,
         "met": met,  # null: no run at that size yet
     }
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {out_plot} and {summary_path}")
+    table_path = summary_path.with_name("table.json")
+    table_path.write_text(json.dumps(docs_table(runs, fits, linear), indent=2) + "\n")
+    print(f"wrote {out_plot}, {summary_path} and {table_path}")
+
+
+def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
+    """One row per stage (and the DAG) for the docs' table: seconds and peak RSS at each N,
+    the fitted exponents, and the linear projection's cost per 1,000 images and hours at
+    COCO's and a web set's size."""
+    table = {}
+    for name in fits:
+        row = {}
+        for run in runs:
+            if name == "dag" or name in run["stages"]:
+                row[f"s_{run['images']}"] = round(figure(run, name, "wall_s"), 1)
+                row[f"cpu_s_{run['images']}"] = round(figure(run, name, "cpu_s"), 1)
+                row[f"peak_mb_{run['images']}"] = round(figure(run, name, "peak_rss_mb"))
+        row["time_exponent"] = fits[name]["time_exponent"]
+        row["cpu_exponent"] = fits[name]["cpu_exponent"]
+        if linear and name in linear:
+            row["cpu_s_per_1000_images"] = linear[name]["cpu_s_per_1000_images"]
+            row["coco_cpu_h"] = linear[name]["cpu_s_at_coco_h"]
+            row["web_cpu_h"] = linear[name]["cpu_s_at_3m_h"]
+        table[name] = row
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
