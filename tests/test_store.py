@@ -403,8 +403,10 @@ def test_verify_of_an_incomplete_store_with_damaged_metadata_reads_every_marker(
 def test_verify_of_an_incomplete_store_changes_nothing_and_takes_any_name(tmp_path):
     """Without its markers' array, verify names it and writes nothing (opening the array
     to append would leave an empty folder); a store whose name ends in a letter that
-    could be stripped from a URL, or in '/', is read at its own path."""
-    root = half_written(tmp_path / "s.zarr").rename(tmp_path / "regionsX")
+    could be stripped from a URL, in a space, or in '/', is read at its own path."""
+    root = half_written(tmp_path / "s.zarr").rename(tmp_path / "regions ")
+    assert verify_store(root) == ["shard 1: not committed (store incomplete)"]
+    root = root.rename(tmp_path / "regionsX")
     assert verify_store(f"{root}/") == ["shard 1: not committed (store incomplete)"]
     shutil.rmtree(root / "_commits")
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
@@ -504,6 +506,63 @@ def test_verify_checks_an_incomplete_stores_own_arrays_and_skips_writers_files(t
     (tmp_path / "whole.zarr" / "features" / ".c.0.0.0.123.abc.tmp").write_bytes(b"half")
     (tmp_path / "whole.zarr" / ".lock").write_text("pid 1")
     assert verify_store(tmp_path / "whole.zarr") == []
+
+
+def test_store_files_lists_every_file_but_writers_locks_and_temporary_files(tmp_path):
+    from features.store.integrity import store_files
+
+    for rel in ["zarr.json", "features/c/0", ".lock", ".shard_locks/3", "features/.c.1.9.ab.tmp"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / "keys" / ".lock").parent.mkdir()
+    (tmp_path / "keys" / ".lock").write_text("a lock's name, not the store's lock")
+    listed = [rel for rel, path in store_files(tmp_path) if path == tmp_path / rel]
+    assert listed == ["features/c/0", "keys/.lock", "zarr.json"]
+
+
+def test_checksums_of_arrays_equal_those_of_their_bytes():
+    """Chunks come as bytes, buffers or arrays of any shape and layout."""
+    from features.store.integrity import file_checksum
+
+    grid = np.arange(24, dtype=np.int32).reshape(4, 6)
+    for array in (grid, grid.T, grid[::2], memoryview(grid.tobytes())):
+        assert file_checksum(array) == file_checksum(np.ascontiguousarray(array).tobytes())
+    assert file_checksum(grid.T) != file_checksum(grid.tobytes())
+
+
+def test_verify_names_what_is_wrong_with_a_stores_attributes(tmp_path):
+    """An incomplete store's attributes name its shards and store-level arrays: missing,
+    not a mapping, or damaged, verify names the file and goes on with what it can read."""
+    with pytest.raises(StoreError, match=r": no such store \(no files there\); check the path$"):
+        verify_store(tmp_path / "nothing.zarr")
+    root = half_written(tmp_path / "s.zarr")
+    meta = json.loads((root / "zarr.json").read_text())
+    meta["attributes"]["vse"].update(n_shards="2", extras={"mean": "crc32c:0"}, extras_files="mean")
+    (root / "zarr.json").write_text(json.dumps(meta))
+    assert verify_store(root) == ["shard 1: not committed (store incomplete)"]
+    meta["attributes"]["vse"] = ["not", "a", "mapping"]
+    (root / "zarr.json").write_text(json.dumps(meta))
+    assert verify_store(root) == [
+        "zarr.json: corrupt (TypeError: 'vse' attributes are not a mapping)",
+        "shard 1: not committed (store incomplete)",
+    ]
+    (root / "zarr.json").unlink()
+    assert verify_store(root) == ["zarr.json: missing", "shard 1: not committed (store incomplete)"]
+
+
+def test_verify_names_a_complete_stores_missing_manifest_and_files_it_does_not_list(tmp_path):
+    from features.store.layout import CHECKSUMS_CHUNK
+
+    root = tmp_path / "whole.zarr"
+    job.run(root, "regions", 10, 8)
+    (root / ".shard_locks").mkdir()
+    (root / ".shard_locks" / "0").write_text("pid 1")  # a writer's: never listed
+    (root / "features" / "stray").write_text("x")
+    assert verify_store(root) == ["features/stray: unexpected file (not in the checksum manifest)"]
+    (root / CHECKSUMS_CHUNK).unlink()
+    assert verify_store(root) == [
+        f"{CHECKSUMS_CHUNK}: missing, though the store is marked complete; rebuild the store"
+    ]
 
 
 def test_ls_reports_a_damaged_store_and_goes_on(tmp_path, capsys):
