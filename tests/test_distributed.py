@@ -592,11 +592,13 @@ def test_a_worker_cut_off_the_network_mid_shard_loses_it_to_the_moved_task(
     claim, cut = tmp_path / "cut-off", tmp_path / "network-cut"
     url = "s3://stores/grid.zarr"
     grid = ExtractJob.make("grid", demo / "manifest.parquet", demo / "images", url, GRID, LAYOUT)
-    host, inside = "10.231.7.1", "10.231.7.2"
+    pid = os.getpid()  # a namespace and subnet of this run's own
+    namespace, subnet = f"vse{pid}", f"10.{200 + pid % 50}.{pid // 50 % 256}"
+    host, inside = f"{subnet}.1", f"{subnet}.2"
     api = SubprocessASGIServer()  # Prefect's temporary API, on loopback
     api.start()
     with (
-        network_namespace("vse-cut", host, inside) as link,
+        network_namespace(namespace, host, inside) as link,
         local_s3("stores", host=host) as options,
         forwarded(api.port, host) as api_port,
         temporary_settings(updates={PREFECT_API_URL: f"http://{host}:{api_port}/api"}),
@@ -611,7 +613,7 @@ def test_a_worker_cut_off_the_network_mid_shard_loses_it_to_the_moved_task(
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         fs = s3fs.S3FileSystem(**options)
-        with nannyless_workers(3, env, host=host, namespaces={0: ("vse-cut", inside)}) as (
+        with nannyless_workers(3, env, host=host, namespaces={0: (namespace, inside)}) as (
             local,
             client,
             workers,
