@@ -110,8 +110,9 @@ def table(
         "| " + " | ".join([header] + [labels.get(c, c) for c in columns]) + " |",
         "|---|" + "---:|" * len(columns),
     ]
-    for row in rows:
-        cells = [_format(_at(data, f"{row}.{c}", path), fmt) for c in columns]
+    for row in rows:  # a top-level key as it is (it may hold dots), else a dotted path
+        base = data[row] if isinstance(data, dict) and row in data else _at(data, row, path)
+        cells = [_format(_at(base, c, path), fmt) for c in columns]
         out.append("| " + " | ".join([labels.get(row, row), *cells]) + " |")
     return "\n".join(out)
 
