@@ -581,6 +581,8 @@ def test_a_worker_cut_off_the_network_mid_shard_loses_it_to_the_moved_task(
 
     import s3fs
     from local_s3 import local_s3
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -659,3 +661,7 @@ def test_a_worker_cut_off_the_network_mid_shard_loses_it_to_the_moved_task(
         fs.invalidate_cache()
         assert {p: fs.cat_file(p) for p in sorted(fs.find("stores/grid.zarr"))} == store
         assert not fs.exists("stores/grid.zarr.incomplete")
+        # send Prefect's queued logs and events while the forwarder is there (left queued,
+        # the next drain would retry them against a closed port for minutes)
+        APILogWorker.drain_all()
+        EventsWorker.drain_all()
