@@ -34,6 +34,7 @@ scores; the same inputs, in the same run; target >= 10x.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -50,7 +51,7 @@ from features.demo import DemoConfig, build_dataset
 from features.detector.config import DetectorConfig
 from features.detector.model import build_detector_model, detector_checkpoint
 from features.images.config import GridConfig, RegionsConfig
-from features.images.extract import extract_images
+from features.images.extract import build_image_extractor, extract_images
 from features.images.grid import GridExtractor, build_trunk
 from features.images.regions import RegionExtractor, build_detector
 from features.images.select import butd_select
@@ -63,15 +64,17 @@ REPO = Path(__file__).resolve().parent.parent
 PHOTOS = REPO / "tests" / "fixtures" / "photos"  # CC BY COCO photos (ATTRIBUTION.md there)
 
 
-def bare_forward(extractor, items: list[dict], batch_size: int) -> float:
-    """images/s of the extractor alone on prepared items (best of 2 passes)."""
-    best = 0.0
+def bare_forward(extractor, items: list[dict], batch_size: int) -> tuple[float, float]:
+    """images/s of the extractor alone on prepared items, best of 2 passes: the forward and
+    finish (selection, packing) one after the other, and the forward alone."""
+    best = {"call": 0.0, "forward": 0.0}
     for _ in range(2):
-        start = time.perf_counter()
-        for i in range(0, len(items), batch_size):
-            extractor(items[i : i + batch_size])
-        best = max(best, len(items) / (time.perf_counter() - start))
-    return best
+        for name, run in (("call", extractor), ("forward", extractor.forward)):
+            start = time.perf_counter()
+            for i in range(0, len(items), batch_size):
+                run(items[i : i + batch_size])
+            best[name] = max(best[name], len(items) / (time.perf_counter() - start))
+    return best["call"], best["forward"]
 
 
 def loop_select(boxes: torch.Tensor, scores: torch.Tensor, cfg: RegionsConfig):
@@ -143,6 +146,9 @@ def main() -> None:
     parser.add_argument("--butd-images", type=int, default=3, help="test photos")
     parser.add_argument("--butd-width", type=int, default=64, help="64: the real model")
     parser.add_argument("--repeats", type=int, default=2, help="per image (best of)")
+    parser.add_argument(
+        "--stage-butd-width", type=int, default=8, help="BUTD width of the stage row"
+    )
     args = parser.parse_args()
     if args.only in (None, "stages"):
         stage_rows(args)
@@ -169,8 +175,6 @@ def butd_checkpoint(root: Path, width: int = 64) -> Path:
 def butd_rows(args: argparse.Namespace) -> None:
     """Native BUTD vs detectron2: seconds per image, forward + selection."""
     from PIL import Image
-
-    from features.images.extract import build_image_extractor
 
     torch.set_num_threads(args.threads)
     photos = sorted(PHOTOS.glob("*.jpg"))[: args.butd_images]
@@ -215,10 +219,6 @@ def butd_batch_rows(args: argparse.Namespace) -> None:
     images of seven sizes, 600/1000 px, 300 proposals; the batch sizes alternate per
     repeat, the best of ``--repeats`` counts. Target: batch 4 at least as fast per image
     as batch 1. Writes ``benchmarks/results/butd_batch.json``."""
-    import json
-
-    from features.images.extract import build_image_extractor
-
     torch.set_num_threads(args.threads)
     w = args.butd_width
     root = Path(tempfile.mkdtemp(prefix="vse-butd-batch-"))
@@ -272,6 +272,7 @@ def _butd_yaml(width: int) -> str:
 
 def stage_rows(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*RANDOM initialisation")
+    torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="vse-extract-bench-"))
     build_dataset(DemoConfig(n_train=args.n, n_val=1, n_test=1, image_size=args.size), root)
     dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
@@ -284,7 +285,8 @@ def stage_rows(args: argparse.Namespace) -> None:
     side = args.size
     detector = demo_detector(args.detector, root)
     setups = {
-        "regions (detector: RPN+head+selection)": (
+        "detector": (
+            "regions (detector: RPN+head+selection)",
             RegionsConfig(
                 backend="torchvision",
                 weights=detector,
@@ -298,7 +300,19 @@ def stage_rows(args: argparse.Namespace) -> None:
             ),
             lambda cfg: RegionExtractor(build_detector(cfg), cfg, device),
         ),
-        "regions (given boxes, resnet50_c4)": (
+        "butd": (
+            f"regions (BUTD R101 width {args.stage_butd_width}, 300 prop.)",
+            RegionsConfig(
+                weights=str(butd_checkpoint(root, args.stage_butd_width)),
+                min_side=side,
+                max_side=side,
+                batch_size=4,
+                num_workers=args.workers,
+            ),
+            lambda cfg: build_image_extractor("regions", cfg),
+        ),
+        "given": (
+            "regions (given boxes, resnet50_c4)",
             RegionsConfig(
                 backend="given",
                 architecture="resnet50_c4",
@@ -310,11 +324,13 @@ def stage_rows(args: argparse.Namespace) -> None:
             ),
             lambda cfg: RegionExtractor(build_detector(cfg), cfg, device),
         ),
-        "grid (the detector's resnet18 trunk)": (
+        "grid_resnet18": (
+            "grid (the detector's resnet18 trunk)",
             GridConfig(weights=detector, image_size=side, batch_size=16, num_workers=args.workers),
             lambda cfg: GridExtractor(build_trunk(cfg), cfg, device),
         ),
-        "grid (resnet50)": (
+        "grid_resnet50": (
+            "grid (resnet50)",
             GridConfig(
                 architecture="resnet50", image_size=side, batch_size=16, num_workers=args.workers
             ),
@@ -325,11 +341,15 @@ def stage_rows(args: argparse.Namespace) -> None:
         f"{len(rows)} images of {side}px, {device}, torch threads {torch.get_num_threads()}, "
         f"{args.workers} DataLoader worker(s)\n"
     )
-    print(f"{'extractor':<38}{'stage img/s':>12}{'bare img/s':>12}{'ratio':>8}  phases")
-    for name, (cfg, build) in setups.items():
+    print(
+        f"{'extractor':<38}{'stage':>8}{'bare':>8}{'ratio':>7}{'forward':>9}{'ratio':>7}  "
+        "phases (images/s; bare: forward then finish; forward: the network alone)"
+    )
+    results = {}
+    for key, (name, cfg, build) in setups.items():
         extractor = build(cfg)
         items = [extractor.prepare(load_image(root / "images" / r["path"]), r) for r in rows]
-        bare = bare_forward(extractor, items, cfg.batch_size)
+        bare, forward = bare_forward(extractor, items, cfg.batch_size)
         best, phases = 0.0, ""
         for attempt in range(2):
             out = root / f"store-{attempt}.zarr"
@@ -340,7 +360,31 @@ def stage_rows(args: argparse.Namespace) -> None:
             if rate > best:
                 best, phases = rate, timing.summary().split("; ")[1]
             shutil.rmtree(out)
-        print(f"{name:<38}{best:>12.1f}{bare:>12.1f}{best / bare:>8.2f}  {phases}")
+        print(
+            f"{name:<38}{best:>8.1f}{bare:>8.1f}{best / bare:>7.2f}{forward:>9.1f}"
+            f"{best / forward:>7.2f}  {phases}",
+            flush=True,
+        )
+        results[key] = {
+            "extractor": name,
+            "stage_images_per_s": round(best, 2),
+            "bare_images_per_s": round(bare, 2),
+            "forward_images_per_s": round(forward, 2),
+            "stage_over_bare": round(best / bare, 3),
+            "stage_over_forward": round(best / forward, 3),
+            "phases": phases,
+        }
+    out = REPO / "benchmarks" / "results" / "extract_stages.json"
+    saved = json.loads(out.read_text()) if out.exists() else {}
+    saved[f"threads_{torch.get_num_threads()}"] = {
+        "images": len(rows),
+        "image_px": side,
+        "device": device.type,
+        "dataloader_workers": args.workers,
+        "rows": results,
+    }
+    out.write_text(json.dumps(saved, indent=2) + "\n")
+    print(f"wrote {out}")
     shutil.rmtree(root)
 
 

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -271,8 +272,10 @@ def butd_images(n: int):
 
 
 def time_regions(extractor, items, batch, dtype, device, passes, unavailable) -> dict:
-    """images/s of ``extractor.regions`` over ``items`` in batches of ``batch`` (the best
-    of ``passes`` passes, after one warm-up batch), with peak memory and busy share."""
+    """images/s of the regions of ``items`` in batches of ``batch``, run as the stage runs
+    them (each batch's forward on this thread, its selection on a background thread beside
+    the next forward): the best of ``passes`` passes, after one warm-up batch, with peak
+    memory and busy share."""
     bf16 = dtype == "bfloat16"
     chunks = [items[i : i + batch] for i in range(0, len(items), batch)]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -280,13 +283,17 @@ def time_regions(extractor, items, batch, dtype, device, passes, unavailable) ->
     sync(device)
     reset_peak(device)
     best, regions = float("inf"), 0
-    with Busy(device, unavailable) as busy:
+    with Busy(device, unavailable) as busy, ThreadPoolExecutor(max_workers=1) as selecting:
         for _ in range(passes):
             start = time.perf_counter()
-            regions = 0
+            regions, previous = 0, None
             for chunk in chunks:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    regions += sum(len(r["boxes"]) for r in extractor.regions(chunk))
+                    raw = extractor.forward(chunk)
+                if previous is not None:
+                    regions += sum(len(r["boxes"]) for r in previous.result())
+                previous = selecting.submit(extractor.select, chunk, raw)
+            regions += sum(len(r["boxes"]) for r in previous.result())
             sync(device)
             best = min(best, time.perf_counter() - start)
     return {

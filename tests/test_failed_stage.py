@@ -44,8 +44,11 @@ class AllNaN:
     def prepare(self, image, row):
         return {}
 
-    def __call__(self, items):
+    def forward(self, items):
         return [{"features": np.full(3, np.nan, np.float32)} for _ in items]
+
+    def finish(self, items, raw):
+        return raw
 
     def empty(self):
         return {"features": np.zeros(3, np.float16)}
@@ -97,13 +100,16 @@ class ShortRegions:
     def prepare(self, image, row):
         return {"n": int(row["key"].rsplit("_", 1)[-1]) % 5}
 
-    def __call__(self, items):
+    def forward(self, items):
         out = []
         for item in items:
             features = np.zeros((4, 2), np.float32)
             features[: item["n"]] = 1.0
             out.append({"features": features, "n_regions": np.int32(item["n"])})
         return out
+
+    def finish(self, items, raw):
+        return raw
 
     def empty(self):
         return {"features": np.zeros((4, 2), np.float16), "n_regions": np.int32(0)}

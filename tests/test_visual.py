@@ -1,9 +1,11 @@
 """Visual extractors with random-init weights on small images (no downloads)."""
 
+import collections
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -636,7 +638,7 @@ class NonFiniteExtractor:
     def prepare(self, image, row):
         return {"key": row["key"]}
 
-    def __call__(self, items):
+    def forward(self, items):
         out = []
         for item in items:
             features, pooled = np.ones(3, np.float32), np.ones(2, np.float32)
@@ -648,6 +650,9 @@ class NonFiniteExtractor:
                 pooled[0] = -np.inf
             out.append({"features": features, "pooled": pooled})
         return out
+
+    def finish(self, items, raw):
+        return raw
 
     def empty(self):
         return {"features": np.zeros(3, np.float16), "pooled": np.zeros(2, np.float32)}
@@ -679,3 +684,53 @@ def test_non_finite_features_are_stored_invalid_and_reported(demo, tmp_path):
     )
     assert summary["counts"] == {"non_finite": 3}
     assert "train_00001,error,non_finite," in (tmp_path / "e.csv").read_text()
+
+
+class Overlapping:
+    """Records made up per key; each batch's ``finish`` but the last waits (at most 5 s)
+    for the next batch's ``forward`` to begin and notes whether it did."""
+
+    kind, name, device = "grid", "overlap-test", CPU
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.begun = collections.defaultdict(threading.Event)
+        self.forwards = 0
+        self.overlapped = []
+
+    def fields(self):
+        return {"features": FieldSpec((1,), "float32")}
+
+    def prepare(self, image, row):
+        return {"value": float(int(row["key"].rsplit("_", 1)[1]))}
+
+    def forward(self, items):
+        n, self.forwards = self.forwards, self.forwards + 1
+        self.begun[n].set()
+        return n, [{"features": np.float32([it["value"]])} for it in items]
+
+    def finish(self, items, raw):
+        n, records = raw
+        if n + 1 < self.batches:
+            self.overlapped.append(self.begun[n + 1].wait(timeout=5))
+        return records
+
+    def empty(self):
+        return {"features": np.zeros(1, np.float32)}
+
+    def provenance_params(self):
+        return {}
+
+
+def test_a_batch_is_finished_while_the_next_batch_runs(demo, tmp_path):
+    root, manifest = demo
+    batches = -(-len(manifest.table) // 2)
+    extractor = Overlapping(batches)
+    cfg = grid_cfg(batch_size=2)
+    extract_images(extractor, manifest, root / "images", tmp_path / "o.zarr", cfg, LAYOUT)
+    # every batch but the last was finished beside the next one's forward
+    assert extractor.overlapped == [True] * (batches - 1)
+    store = Store.open(tmp_path / "o.zarr")
+    assert store.verify() == []
+    expected = [float(int(k.rsplit("_", 1)[1])) for k in store.keys]
+    assert store.read(0, len(store))["features"][:, 0].tolist() == expected

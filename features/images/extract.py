@@ -1,18 +1,21 @@
 """Image feature extraction: reader -> mapper -> writer.
 
-- reader: DataLoader workers decode each image (:func:`features.images.load_image`) and
+- reader: DataLoader workers decode each image (:func:`features.decode.load_image`) and
   run the extractor's ``prepare`` (resize, normalise), overlapped with inference;
-- mapper: the extractor, batched, on the device;
-- writer: the feature store, one shard at a time; a bad image, or one whose features hold
-  NaN or infinite values (as stored: float16 overflows count), gets an empty record
-  (``valid = 0``) and a note in its shard's commit marker, so the report survives resumes.
+- mapper: the extractor's ``forward``, batched, on the device; its ``finish`` (copy to the
+  host, region selection, packing) runs on a background thread while the next batch's
+  forward runs, so the device does not wait for the host;
+- writer: the feature store, one shard at a time, on another background thread; a bad
+  image, or one whose features hold NaN or infinite values (as stored: float16 overflows
+  count), gets an empty record (``valid = 0``) and a note in its shard's commit marker, so
+  the report survives resumes.
 
 Only pending shards are read: a rerun after a crash continues where the last committed
 shard ended. With ``shards=``, only those shards are extracted, by a shard writer: how
 several processes (Dask workers, see :mod:`flows.distributed`) fill one store together.
-Shards are written by a background thread while the next batches run. Each phase is timed
-as what it adds to the wall time: read = waiting for decoded batches, infer = the forward
-passes, write = waiting for a shard write to finish.
+Each phase is timed as what it adds to the wall time: read = waiting for decoded
+batches, infer = queueing the forward passes (on the CPU: running them), finish = waiting
+for a batch's records, write = waiting for a shard write to finish.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class Extractor(Protocol):
 
     def fields(self) -> dict[str, FieldSpec]: ...
     def prepare(self, image, row: dict) -> dict[str, Any]: ...
-    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]: ...
+    def forward(self, items: list[dict]) -> Any: ...
+    def finish(self, items: list[dict], raw: Any) -> list[dict[str, np.ndarray]]: ...
     def empty(self) -> dict[str, np.ndarray]: ...
     def provenance_params(self) -> dict: ...
 
@@ -114,6 +118,7 @@ def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
 class Timing:
     read: float = 0.0
     infer: float = 0.0
+    finish: float = 0.0
     write: float = 0.0
     images: int = 0
     seconds: float = 0.0
@@ -122,7 +127,8 @@ class Timing:
         rate = self.images / max(self.seconds, 1e-9)
         return (
             f"{self.images} images in {self.seconds:.1f} s ({rate:.1f} img/s); read "
-            f"{self.read:.1f} s, infer {self.infer:.1f} s, write {self.write:.1f} s"
+            f"{self.read:.1f} s, infer {self.infer:.1f} s, finish {self.finish:.1f} s, "
+            f"write {self.write:.1f} s"
         )
 
 
@@ -178,11 +184,15 @@ def extract_images(
     timing = Timing()
     start_all = time.perf_counter()
     writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)
-    fields = writer.fields
-    dtypes = {name: spec.dtype for name, spec in fields.items()}
-    with writer:
-        pending = writer.pending_shards()
-        order = [i for shard in pending for i in range(*writer.shard_range(shard))]
+    dtypes = {name: spec.dtype for name, spec in writer.fields.items()}
+    # batch i is finished (selection, packing) on one thread, and its complete shards are
+    # written on another, while batch i+1 runs on the device
+    with (
+        writer,
+        _Shards(writer, rows, timing) as out,
+        ThreadPoolExecutor(max_workers=1) as finishing,
+    ):
+        order = [i for shard in out.pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(
             ImageItems(
                 [rows[i] for i in order],
@@ -197,55 +207,107 @@ def extract_images(
             collate_fn=keep_list,
             pin_memory=extractor.device.type == "cuda",
         )
-        done: dict[int, dict] = {}
-        notes: dict[str, list[str]] = {}
         bar = progress(total=len(order)) if progress else None
         batches = iter(loader)
-        # shards are written by one background thread (in order), overlapped with inference
-        writes = ThreadPoolExecutor(max_workers=1)
-        last_write: Future | None = None
+        previous = None
         while True:
             tick = time.perf_counter()
             batch = next(batches, None)
             timing.read += time.perf_counter() - tick
-            if batch is None:
+            current = None
+            if batch is not None:
+                good = [item for item in batch if item["error"] is None]
+                tick = time.perf_counter()
+                raw = extractor.forward(good) if good else None
+                timing.infer += time.perf_counter() - tick
+                current = batch, finishing.submit(extractor.finish, good, raw) if good else None
+            if previous is not None:
+                done, records = previous
+                tick = time.perf_counter()
+                results = records.result() if records is not None else []
+                timing.finish += time.perf_counter() - tick
+                for index, record, note in _stored(extractor, done, results, dtypes):
+                    out.add(index, record, note)
+                timing.images += len(done)
+                if bar is not None:
+                    bar.update(len(done))
+            if current is None:
                 break
-            good = [item for item in batch if item["error"] is None]
-            tick = time.perf_counter()
-            results = extractor(good) if good else []
-            timing.infer += time.perf_counter() - tick
-            for item, result in zip(good, results, strict=True):
-                if bad := nonfinite_fields(result, dtypes):  # stored empty and reported
-                    item["error"] = (NON_FINITE, f"{', '.join(bad)}: NaN or infinite values")
-                    continue
-                if short := _short_of_min_boxes(extractor, result):
-                    if short[0] == NO_REGIONS:  # nothing to train on: stored empty
-                        item["error"] = short
-                        continue
-                    notes[rows[item["index"]]["key"]] = list(short)
-                done[item["index"]] = {**result, "valid": np.uint8(1)}
-            for item in batch:
-                if item["error"] is not None:
-                    done[item["index"]] = {**extractor.empty(), "valid": np.uint8(0)}
-                    notes[rows[item["index"]]["key"]] = list(item["error"])
-            while pending and all(i in done for i in range(*writer.shard_range(pending[0]))):
-                shard = pending.pop(0)
-                lo, hi = writer.shard_range(shard)
-                records = [done.pop(i) for i in range(lo, hi)]
-                data = {name: np.stack([r[name] for r in records]) for name in fields}
-                keys = {rows[i]["key"] for i in range(lo, hi)}
-                shard_notes = {k: v for k, v in notes.items() if k in keys}
-                last_write = _wait(last_write, timing)
-                last_write = writes.submit(writer.write_shard, shard, data, shard_notes)
-            timing.images += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
-        _wait(last_write, timing)
-        writes.shutdown()
+            previous = current
         if bar is not None:
             bar.close()
     timing.seconds = time.perf_counter() - start_all
     return timing
+
+
+def _stored(extractor, batch: list[dict], results: list[dict], dtypes: dict):
+    """(manifest index, store record, note) of each item of a finished batch, ``results``
+    being those of its readable items in order. An image that could not be read, whose
+    features hold NaN or infinite values (as stored) or that has no regions is stored empty
+    (``valid = 0``) with the reason as its note; one short of ``min_boxes`` is stored with
+    a note."""
+    results = iter(results)
+    for item in batch:
+        error, note = item["error"], None
+        if error is None:
+            result = next(results)
+            if bad := nonfinite_fields(result, dtypes):
+                error = (NON_FINITE, f"{', '.join(bad)}: NaN or infinite values")
+            elif note := _short_of_min_boxes(extractor, result):
+                error, note = (note, None) if note[0] == NO_REGIONS else (None, note)
+        if error is not None:
+            yield item["index"], {**extractor.empty(), "valid": np.uint8(0)}, list(error)
+        else:
+            yield item["index"], {**result, "valid": np.uint8(1)}, note and list(note)
+
+
+class _Shards:
+    """Records gathered into the writer's pending shards; each complete shard is written,
+    in order, by a background thread while the next batches run. Waiting for the previous
+    write is what writing adds to the wall time (``timing.write``)."""
+
+    def __init__(self, writer: StoreWriter | RemoteStoreWriter, rows: list[dict], timing):
+        self.writer, self.rows, self.timing = writer, rows, timing
+        self.pending = writer.pending_shards()
+        self.records: dict[int, dict] = {}
+        self.notes: dict[str, list[str]] = {}
+        self.writes = ThreadPoolExecutor(max_workers=1)
+        self.last: Future | None = None
+
+    def add(self, index: int, record: dict, note: list[str] | None) -> None:
+        self.records[index] = record
+        if note:
+            self.notes[self.rows[index]["key"]] = note
+        while self.pending and all(
+            i in self.records for i in range(*self.writer.shard_range(self.pending[0]))
+        ):
+            shard = self.pending.pop(0)
+            lo, hi = self.writer.shard_range(shard)
+            records = [self.records.pop(i) for i in range(lo, hi)]
+            data = {name: np.stack([r[name] for r in records]) for name in self.writer.fields}
+            keys = [self.rows[i]["key"] for i in range(lo, hi)]
+            notes = {k: self.notes.pop(k) for k in keys if k in self.notes}
+            self._wait()
+            self.last = self.writes.submit(self.writer.write_shard, shard, data, notes)
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        """The last write waited for (its error raised) on success; on an error, no write
+        outlives the writer's lock."""
+        try:
+            if error_type is None:
+                self._wait()
+        finally:
+            self.writes.shutdown(wait=True)
+
+    def _wait(self) -> None:
+        """Wait for the previous shard write (re-raising its error)."""
+        if self.last is not None:
+            tick = time.perf_counter()
+            self.last.result()
+            self.timing.write += time.perf_counter() - tick
 
 
 def _short_of_min_boxes(extractor, result: dict) -> tuple[str, str] | None:
@@ -262,12 +324,3 @@ def _short_of_min_boxes(extractor, result: dict) -> tuple[str, str] | None:
         return None
     reason = NO_REGIONS if n == 0 else FEW_REGIONS
     return reason, f"{n} regions < min_boxes {min_boxes}: the detector proposed {n} boxes"
-
-
-def _wait(write: Future | None, timing: Timing) -> None:
-    """Wait for the previous shard write (re-raising its error); time spent waiting is
-    what writing costs on top of inference."""
-    if write is not None:
-        tick = time.perf_counter()
-        write.result()
-        timing.write += time.perf_counter() - tick

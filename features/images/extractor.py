@@ -1,11 +1,13 @@
 """What the image extractors share: the store fields they fill, the params and version that
-enter the fingerprint, and the checks on the weights they load."""
+enter the fingerprint, the checks on the weights they load, and the device-to-host copy
+that lets an extractor's CPU work (selection, packing) run beside the next forward pass."""
 
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
+import torch
 
 from features.detector.weights import WeightsError
 from features.images.config import ExtractConfig
@@ -46,3 +48,42 @@ def warn_random_init(what: str, seed: int) -> None:
         "for real runs. The store's fingerprint records the random init.",
         stacklevel=3,
     )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; to CUDA through pinned memory without making the host wait
+    (the DataLoader pins what it hands over; a batch stacked or padded here is not)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device outputs on their way to host memory: on CUDA copied into pinned buffers behind
+    the kernels queued so far, so the host goes on queueing the next batch, and
+    :meth:`wait` blocks (in the thread that needs them) until they have arrived; on the CPU
+    the tensors themselves. Values are tensors, lists of tensors or ``None``."""
+
+    def __init__(self, device: torch.device, **outputs):
+        self.event = None
+        if device.type == "cuda":
+            outputs = {name: _pinned_copy(value) for name, value in outputs.items()}
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.outputs = outputs
+
+    def wait(self) -> dict:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.outputs
+
+
+def _pinned_copy(value):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [_pinned_copy(v) for v in value]
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    return host.copy_(value, non_blocking=True)

@@ -24,8 +24,10 @@ from features.detector.weights import (
 from features.images.config import GridConfig
 from features.images.extractor import (
     DEFAULT_TRUNK,
+    HostCopy,
     check_conflict,
     feature_params,
+    to_device,
     warn_random_init,
     zeros,
 )
@@ -91,16 +93,23 @@ class GridExtractor:
         w, h = image.size
         return {"image": to_tensor(centre_crop_resize(image, self.cfg.image_size)), "hw": (h, w)}
 
-    @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
-        batch = torch.stack([it["image"] for it in items]).to(self.device, non_blocking=True)
+        return self.finish(items, self.forward(items))
+
+    @torch.no_grad()
+    def forward(self, items: list[dict]) -> HostCopy:
+        """The trunk over a batch, on the device: the pooled grids and means."""
+        batch = to_device(torch.stack([it["image"] for it in items]), self.device)
         with autocast(self.device):
             conv5 = self.model(batch).float()  # (B, 2048, h, w)
-        grid = F.adaptive_avg_pool2d(conv5, self.cfg.grid).permute(0, 2, 3, 1).cpu().numpy()
-        pooled = conv5.mean(dim=(2, 3)).cpu().numpy()
+        grid = F.adaptive_avg_pool2d(conv5, self.cfg.grid).permute(0, 2, 3, 1)
+        return HostCopy(self.device, grid=grid, pooled=conv5.mean(dim=(2, 3)))
+
+    def finish(self, items: list[dict], raw: HostCopy) -> list[dict[str, np.ndarray]]:
+        out = raw.wait()
         return [
             {"features": g, "pooled": p, "image_hw": np.asarray(it["hw"], dtype=np.int32)}
-            for g, p, it in zip(grid, pooled, items, strict=True)
+            for g, p, it in zip(out["grid"].numpy(), out["pooled"].numpy(), items, strict=True)
         ]
 
     def empty(self) -> dict[str, np.ndarray]:

@@ -2,8 +2,10 @@
 
 Extractors are pure modules built by the stage's entry point and passed in (tests pass
 random-init ones). Each has a ``prepare`` step that runs in DataLoader workers (resize,
-normalise: CPU work overlapped with inference) and a batched ``__call__`` that runs the
-network and returns per-image numpy outputs. :mod:`features.extract` drives them.
+normalise: CPU work overlapped with inference), a batched ``forward`` that runs the network
+on the device, and a ``finish`` that turns its outputs into per-image numpy records on the
+host (selection, packing) while the next batch runs; ``__call__`` is the two in one.
+:mod:`features.images.extract` drives them.
 
 Regions follow the bottom-up-attention recipe (Anderson et al. 2018, ``generate_tsv.py``):
 the box head's pooled feature of each RPN proposal; per class, NMS over the proposals at
@@ -38,7 +40,14 @@ from features.detector.weights import (
     trunk_state,
 )
 from features.images.config import RegionsConfig
-from features.images.extractor import check_conflict, feature_params, warn_random_init, zeros
+from features.images.extractor import (
+    HostCopy,
+    check_conflict,
+    feature_params,
+    to_device,
+    warn_random_init,
+    zeros,
+)
 from features.images.select import butd_select
 from features.store.spec import FieldSpec
 from infra.device import autocast
@@ -167,19 +176,33 @@ class RegionExtractor:
             item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)
         return item
 
-    @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+        return self.finish(items, self.forward(items))
+
+    @torch.no_grad()
+    def forward(self, items: list[dict]) -> HostCopy:
+        """The network over a batch, on the device: RoIs per image (resized pixels), their
+        pooled features and class probabilities, on their way to host memory."""
         rois, pooled, logits = self._forward(items)
-        pooled = pooled.float().cpu()
-        scores = None if logits is None else F.softmax(logits.float(), dim=-1).cpu()
+        probs = None if logits is None else F.softmax(logits.float(), dim=-1)
+        return HostCopy(
+            self.device, rois=[r.float() for r in rois], pooled=pooled.float(), probs=probs
+        )
+
+    @torch.no_grad()
+    def finish(self, items: list[dict], raw: HostCopy) -> list[dict[str, np.ndarray]]:
+        """On the host, beside the next batch's forward: each image's selected regions,
+        packed as its store record."""
+        out = raw.wait()
+        pooled, scores = out["pooled"], out["probs"]
         outputs = []
         start = 0
-        for it, boxes in zip(items, rois, strict=True):
+        for it, boxes in zip(items, out["rois"], strict=True):
             n = len(boxes)
             feats = pooled[start : start + n]
             probs = None if scores is None else scores[start : start + n]
             start += n
-            boxes = boxes.float().cpu() / it["scale"]  # back to original-image pixels
+            boxes = boxes / it["scale"]  # back to original-image pixels
             if self.given:
                 keep = torch.arange(n)
                 classes = torch.full((n,), -1, dtype=torch.long)
@@ -193,7 +216,7 @@ class RegionExtractor:
         """RoIs per image (resized pixels), their pooled box-head features (sum P, D) and
         class logits (sum P, C)."""
         images = batch_images([it["image"] for it in items])
-        images = ImageList(images.tensors.to(self.device, non_blocking=True), images.image_sizes)
+        images = ImageList(to_device(images.tensors, self.device), images.image_sizes)
         with autocast(self.device):
             feature_maps = self.model.backbone(images.tensors)
             if not isinstance(feature_maps, dict):

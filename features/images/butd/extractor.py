@@ -12,7 +12,7 @@ from PIL import Image
 
 from features.images.butd.model import ButdModel
 from features.images.config import RegionsConfig
-from features.images.extractor import zeros
+from features.images.extractor import HostCopy, to_device, zeros
 from features.images.regions import RegionExtractor
 from features.images.select import butd_select
 from features.store.spec import FieldSpec, regions_fields
@@ -59,9 +59,10 @@ class ButdRegionExtractor(RegionExtractor):
         item = {"image": image_tensor, "scale": torch.tensor([sx, sy, sx, sy])}
         return self._given_boxes(item, image, row)
 
-    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+    def finish(self, items: list[dict], raw: HostCopy) -> list[dict[str, np.ndarray]]:
+        """Each image's selected regions as its store record (-1 ids past ``n_regions``)."""
         outputs = []
-        for it, r in zip(items, self.regions(items), strict=True):
+        for it, r in zip(items, self.select(items, raw), strict=True):
             out = zeros(self.fields())
             n = len(r["boxes"])
             for name in ("features", "boxes"):
@@ -76,24 +77,40 @@ class ButdRegionExtractor(RegionExtractor):
             outputs.append(out)
         return outputs
 
-    @torch.no_grad()
     def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
         """The kept regions of each prepared image, in float32: ``features`` (R, D),
         ``boxes`` (R, 4) in original-image pixels, ``objects_id``/``objects_conf`` (R,)
         object id and confidence, ``attrs_id``/``attrs_conf`` (R,) where the model has an
         attribute head; the records of :meth:`__call__` are these, packed."""
+        return self.select(items, self.forward(items))
+
+    @torch.no_grad()
+    def forward(self, items: list[dict]) -> HostCopy:
+        """The model over a batch, on the device: RoIs per image (resized pixels), their
+        features, class and attribute probabilities, on their way to host memory."""
         given = None
         if self.given:
             given = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
-        images = [it["image"].to(self.device) for it in items]
+        images = [to_device(it["image"], self.device) for it in items]
         rois, feats, probs, attrs = self.model(images, given)
-        feats, probs = feats.float().cpu(), probs.cpu()
-        attrs = None if attrs is None else attrs.cpu()
+        return HostCopy(
+            self.device,
+            rois=[r.float() for r in rois],
+            feats=feats.float(),
+            probs=probs,
+            attrs=attrs,
+        )
+
+    @torch.no_grad()
+    def select(self, items: list[dict], raw: HostCopy) -> list[dict[str, torch.Tensor]]:
+        """:meth:`regions` from the outputs of :meth:`forward`, on the host."""
+        out = raw.wait()
+        feats, probs, attrs = out["feats"], out["probs"], out["attrs"]
         outputs, start = [], 0
-        for it, boxes in zip(items, rois, strict=True):
+        for it, boxes in zip(items, out["rois"], strict=True):
             part = slice(start, start + len(boxes))
             start += len(boxes)
-            boxes = boxes.float().cpu() / it["scale"]  # original-image pixels
+            boxes = boxes / it["scale"]  # original-image pixels
             if self.given:
                 keep = torch.arange(len(boxes))
                 classes, confidence = probs[part, 1:].max(dim=1)
