@@ -2,9 +2,12 @@
 the bottom-up-attention region selection against the reference per-class loop.
 
 For each extractor: (a) the whole stage (`extract_images`: decode and resize in a
-DataLoader worker, batched inference, store writes) on demo images, and (b) the bare
-forward pass of the same extractor on the same images decoded and prepared beforehand.
-Target (issue 4): the stage reaches >= 0.9x of the bare forward on CPU. The detector row
+DataLoader worker, batched forward, each batch finished (selection, packing) on a thread
+beside the next forward, store writes) on demo images, (b) the bare extractor on the same
+images decoded and prepared beforehand, each batch's forward then its finish, and (c) its
+forward alone. `--threads N` sets torch's threads; each thread count's rows go to
+`benchmarks/results/extract_stages.json`. Target: the stage reaches >= 0.95x of (b) on
+CPU. The detector row
 runs the torchvision path (RPN, box head, BUTD selection) of a `vse-detector` checkpoint:
 `--detector data/models/detector/detector.pt`, or a random-init one of the demo's
 architecture (params.yaml `detector`).
