@@ -21,7 +21,7 @@ for a batch's records, write = waiting for a shard write to finish.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,8 +226,7 @@ def extract_images(
                 tick = time.perf_counter()
                 results = records.result() if records is not None else []
                 timing.finish += time.perf_counter() - tick
-                for index, record, note in _stored(extractor, done, results, dtypes):
-                    out.add(index, record, note)
+                out.add(_stored(extractor, done, results, dtypes))
                 timing.images += len(done)
                 if bar is not None:
                     bar.update(len(done))
@@ -253,8 +252,11 @@ def _stored(extractor, batch: list[dict], results: list[dict], dtypes: dict):
             result = next(results)
             if bad := nonfinite_fields(result, dtypes):
                 error = (NON_FINITE, f"{', '.join(bad)}: NaN or infinite values")
-            elif note := _short_of_min_boxes(extractor, result):
-                error, note = (note, None) if note[0] == NO_REGIONS else (None, note)
+            elif short := _short_of_min_boxes(extractor, result):
+                if short[0] == NO_REGIONS:  # nothing to train on: stored empty
+                    error = short
+                else:
+                    note = short
         if error is not None:
             yield item["index"], {**extractor.empty(), "valid": np.uint8(0)}, list(error)
         else:
@@ -274,10 +276,13 @@ class _Shards:
         self.writes = ThreadPoolExecutor(max_workers=1)
         self.last: Future | None = None
 
-    def add(self, index: int, record: dict, note: list[str] | None) -> None:
-        self.records[index] = record
-        if note:
-            self.notes[self.rows[index]["key"]] = note
+    def add(self, stored: Iterable[tuple[int, dict, list[str] | None]]) -> None:
+        """A finished batch's (manifest index, record, note) triples; then the shards they
+        complete are written."""
+        for index, record, note in stored:
+            self.records[index] = record
+            if note:
+                self.notes[self.rows[index]["key"]] = note
         while self.pending and all(
             i in self.records for i in range(*self.writer.shard_range(self.pending[0]))
         ):
