@@ -120,9 +120,13 @@ def measured(argv: list[str], cwd: Path, log: Path, env: dict) -> dict:
 # -- the project copy ------------------------------------------------------------------
 
 
-def scaled_params(n_images: int) -> tuple[str, dict]:
+def scaled_params(n_images: int, epochs: int | None = None) -> tuple[str, dict]:
     """``params.yaml`` with the demo dataset at ``n_images`` in the demo's split
-    proportions, and what changed ({key: [before, after]})."""
+    proportions, and what changed ({key: [before, after]}).
+
+    ``epochs``: every training stage (the detector, the Graph-RISE head, the retrieval
+    models) trains that many epochs instead of its own, and LR decay steps past the last
+    epoch are dropped; so a training stage's seconds measure how its epochs grow with N."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     demo = params["demo"]
     splits = ("n_train", "n_val", "n_test")
@@ -131,6 +135,13 @@ def scaled_params(n_images: int) -> tuple[str, dict]:
     sizes["n_train"] = n_images - sum(sizes.values())
     changed = {f"demo.{s}": [demo[s], sizes[s]] for s in splits if demo[s] != sizes[s]}
     demo.update(sizes)
+    if epochs is not None:
+        for section in ("detector", "graph_rise", "train"):
+            changed[f"{section}.epochs"] = [params[section]["epochs"], epochs]
+            params[section]["epochs"] = epochs
+        decay = params["train"]["lr_decay_epochs"]
+        changed["train.lr_decay_epochs"] = [decay, [e for e in decay if e < epochs]]
+        params["train"]["lr_decay_epochs"] = changed["train.lr_decay_epochs"][1]
     return yaml.safe_dump(params, sort_keys=False), changed
 
 
@@ -186,13 +197,13 @@ def machine() -> dict:
 # -- one run ---------------------------------------------------------------------------
 
 
-def run_dag(n_images: int, with_s3: bool, keep: bool) -> dict:
+def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None) -> dict:
     sys.path[:0] = [str(REPO / "tests")]
     from conftest import copy_project  # also sets the offline/no-analytics environment
 
     work = Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
     root = copy_project(REPO, work / "project")
-    text, changed = scaled_params(n_images)
+    text, changed = scaled_params(n_images, epochs)
     (root / "params.yaml").write_text(text)
     hashes = work / "site-cache"  # DVC's hash database, here so it can be removed
     env = {
@@ -245,8 +256,9 @@ def run_dag(n_images: int, with_s3: bool, keep: bool) -> dict:
         "images": n_images,
         "captions": n_images * yaml.safe_load(text)["demo"]["captions_per_image"],
         "params_changed": changed,
-        "params_kept": "every other section of params.yaml, the models' sizes and epochs "
-        "included; the demo's image_size too (the detector, regions and grid "
+        "params_kept": "every other section of params.yaml, the models' sizes "
+        + ("included" if epochs else "and epochs included")
+        + "; the demo's image_size too (the detector, regions and grid "
         "resize every image to their own 128 px)",
         "stages": stages,
         "dag_s": round(dag_s, 3),
@@ -356,6 +368,12 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["images"])
+    settings = {
+        json.dumps({k: v for k, v in r["params_changed"].items() if not k.startswith("demo.")})
+        for r in runs
+    }
+    if len(settings) > 1:
+        raise SystemExit(f"the runs differ in more than N (params_changed: {sorted(settings)})")
     in_range = [r for r in runs if FIT_RANGE[0] <= r["images"] <= FIT_RANGE[1]]
     fitted = in_range if len({r["images"] for r in in_range}) >= 2 else runs
 
@@ -457,6 +475,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, help="images in the demo dataset (N)")
     parser.add_argument("--out", type=Path, help="the run's JSON (default: results/scale/N.json)")
     parser.add_argument("--s3", action="store_true", help="also time dvc push and pull (moto)")
+    parser.add_argument(
+        "--epochs", type=int, help="every training stage trains this many epochs (default: its own)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp project")
     parser.add_argument("--plot", type=Path, nargs="+", help="runs' JSONs to plot")
     parser.add_argument("--out-plot", type=Path, default=RESULTS / "scale.png")
@@ -470,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.plot:
         plot(args.plot, args.out_plot, args.summary or args.out_plot.parent / "summary.json")
     elif args.images:
-        result = run_dag(args.images, args.s3, args.keep)
+        result = run_dag(args.images, args.s3, args.keep, args.epochs)
         out = args.out or RESULTS / f"{args.images}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
