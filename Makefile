@@ -28,8 +28,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 demo: install
 	dvc repro
 
-test: install-dev
-	pytest
+test: install-dev  # two workers (pytest-xdist), each test file on one of them
+	pytest -n 2 --dist loadfile
 
 lint: install-dev
 	ruff check flows features models tests tools benchmarks docs/_hooks

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 from strict_skips import pytest_collection_modifyitems, pytest_configure  # noqa: F401
 
 # pytester: tests/test_strict_skips.py runs pytest sessions of its own
@@ -103,9 +104,21 @@ def project(tmp_path, repo_root):
 def reproduced(tmp_path_factory, repo_root) -> tuple[Path, str]:
     """A :func:`copy_project` after one ``dvc repro`` from scratch (the whole demo DAG: the
     suite's most expensive step, done once), and that run's stdout. Read only: a test that
-    changes it works on a copy (:func:`copy_tree`)."""
-    root = copy_project(repo_root, tmp_path_factory.mktemp("reproduced"))
-    return root, run(["dvc", "repro"], root).stdout
+    changes it works on a copy (:func:`copy_tree`).
+
+    Under pytest-xdist (``make test``) the workers share one: the first to ask builds it in
+    the run's common temp folder, under a file lock the others wait on."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder; each worker's basetemp is inside it
+    root, stdout = shared / "reproduced" / "project", shared / "reproduced" / "repro.out"
+    with FileLock(shared / "reproduced.lock"):
+        if not stdout.is_file():
+            shutil.rmtree(root.parent, ignore_errors=True)  # a failed build's leftovers
+            root.parent.mkdir()
+            copy_project(repo_root, root)
+            stdout.write_text(run(["dvc", "repro"], root).stdout)
+    return root, stdout.read_text()
 
 
 def copy_tree(source: Path, to: Path) -> Path:
