@@ -522,11 +522,15 @@ def generate_image(cfg: DemoConfig, split: str, index: int) -> tuple[Image.Image
     return image, record
 
 
-def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
-    """Write ``images/*.png`` and ``dataset.json`` under ``out_dir``; returns the dataset dict.
+def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> int:
+    """Write ``images/*.png`` and ``dataset.json`` under ``out_dir``; returns the number of
+    images.
 
-    The folder is built aside and moved into place whole, so ``out_dir`` is never a
-    partial dataset. ``progress`` wraps the item iterator (e.g. ``tqdm``) to show images/s.
+    ``dataset.json`` is written record by record as the images are made, in the bytes
+    ``json.dumps(dataset, indent=1)`` gives for the whole dict, so memory stays flat in the
+    dataset's size. The folder is built aside and moved into place whole, so ``out_dir``
+    is never a partial dataset. ``progress`` wraps the item iterator (e.g. ``tqdm``) to
+    show images/s.
     """
     from infra.files import atomic_path
 
@@ -540,24 +544,23 @@ def build_dataset(cfg: DemoConfig, out_dir: Path, progress=None) -> dict:
         )
     sizes = (cfg.n_train, cfg.n_val, cfg.n_test)
     items = [(s, i) for s, n in zip(SPLITS, sizes, strict=True) for i in range(n)]
-    records = []
+    header = {"dataset": "demo", "seed": cfg.seed, "class_names": list(SHAPES)}
     sentid = 0
     with atomic_path(out_dir, directory=True) as tmp:
         (tmp / "images").mkdir()
-        for imgid, (split, index) in enumerate(progress(items) if progress else items):
-            image, record = generate_image(cfg, split, index)
-            image.save(tmp / "images" / record["filename"], optimize=False, compress_level=6)
-            record["imgid"] = imgid
-            record["sentids"] = list(range(sentid, sentid + len(record["sentences"])))
-            for sentence, sid in zip(record["sentences"], record["sentids"], strict=True):
-                sentence.update(imgid=imgid, sentid=sid)
-            sentid += len(record["sentences"])
-            records.append(record)
-        dataset = {
-            "dataset": "demo",
-            "seed": cfg.seed,
-            "class_names": list(SHAPES),
-            "images": records,
-        }
-        (tmp / "dataset.json").write_text(json.dumps(dataset, indent=1) + "\n", encoding="utf-8")
-    return dataset
+        with open(tmp / "dataset.json", "w", encoding="utf-8") as out:
+            # the header's closing "\n}" cut off: the images list is its last key
+            out.write(json.dumps(header, indent=1)[:-2] + ',\n "images": [')
+            for imgid, (split, index) in enumerate(progress(items) if progress else items):
+                image, record = generate_image(cfg, split, index)
+                image.save(tmp / "images" / record["filename"], optimize=False, compress_level=6)
+                record["imgid"] = imgid
+                record["sentids"] = list(range(sentid, sentid + len(record["sentences"])))
+                for sentence, sid in zip(record["sentences"], record["sentids"], strict=True):
+                    sentence.update(imgid=imgid, sentid=sid)
+                sentid += len(record["sentences"])
+                # a list item two levels deep: each of its lines indented by two more
+                text = json.dumps(record, indent=1).replace("\n", "\n  ")
+                out.write(("\n  " if imgid == 0 else ",\n  ") + text)
+            out.write("\n ]\n}\n")
+    return len(items)

@@ -46,7 +46,10 @@ def test_build_dataset_is_bitwise_reproducible(tmp_path):
     assert len(files_a) == 8 + 1
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
-    data = json.loads((tmp_path / "a" / "dataset.json").read_text())
+    text = (tmp_path / "a" / "dataset.json").read_text()
+    data = json.loads(text)
+    # written record by record, in the bytes of the whole dict dumped at once
+    assert text == json.dumps(data, indent=1) + "\n"
     assert data["class_names"] == list(SHAPES)
     assert [img["split"] for img in data["images"]] == ["train"] * 4 + ["val"] * 2 + ["test"] * 2
     sentids = [s for img in data["images"] for s in img["sentids"]]

@@ -17,9 +17,8 @@ def run(args, params) -> int:
 
     cfg = params.demo
     start = time.perf_counter()
-    dataset = build_dataset(cfg, Path(args.out), progress=progress("demo-data"))
+    n = build_dataset(cfg, Path(args.out), progress=progress("demo-data"))
     seconds = time.perf_counter() - start
-    n = len(dataset["images"])
     print(
         f"demo-data: wrote {n} images ({cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} "
         f"test, {cfg.image_size}px) and {n * cfg.captions_per_image} captions to {args.out} "
