@@ -202,6 +202,10 @@ def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None)
     from conftest import copy_project  # also sets the offline/no-analytics environment
 
     work = Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
+    copied = {  # what the project was copied from (the repository may move on during a run)
+        "git_commit": git(REPO, "rev-parse", "HEAD"),
+        "git_dirty": bool(git(REPO, "status", "--porcelain", "--untracked-files=no")),
+    }
     root = copy_project(REPO, work / "project")
     text, changed = scaled_params(n_images, epochs)
     (root / "params.yaml").write_text(text)
@@ -266,8 +270,7 @@ def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None)
         "overhead_share": round(overhead / dag_s, 4),
         "run_s": round(time.perf_counter() - started, 1),
         "machine": machine(),
-        "git_commit": git(REPO, "rev-parse", "HEAD"),
-        "git_dirty": bool(git(REPO, "status", "--porcelain", "--untracked-files=no")),
+        **copied,
         "targets": TARGETS,
     }
     if keep:
@@ -402,8 +405,10 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
         seconds = [figure(r, name, "cpu_s") for r in have]
         ax.plot([r["images"] for r in have], seconds, marker="o", label=label, **style)
     ax.set(xscale="log", yscale="log", xlabel="images (N)", ylabel="CPU seconds")
+    epochs = runs[-1]["params_changed"].get("train.epochs")
     ax.set_title(
         "Each stage's CPU seconds (dvc repro --single-item) against N (k: fitted exponent)"
+        + (f"\ntraining stages at {epochs[1]} epoch(s) each" if epochs else "")
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="upper left")
