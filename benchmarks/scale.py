@@ -328,8 +328,8 @@ def fit(ns: list[int], values: list[float]) -> dict | None:
 
 def linear_projections(runs: list[dict]) -> dict | None:
     """Each stage's marginal cost per image between the two largest runs (CPU and wall
-    seconds), and its seconds at COCO's and a web-sized set's images projected linearly
-    from the largest run (fixed costs counted once: a projection of what a stage that
+    seconds), and its seconds at 40,000 images, COCO's and a web-sized set's, projected
+    linearly from the largest run (fixed costs counted once: a projection of what a stage that
     scales linearly takes, next to the power law's); None with fewer than two sizes."""
     if len({r["images"] for r in runs}) < 2:
         return None
@@ -343,7 +343,7 @@ def linear_projections(runs: list[dict]) -> dict | None:
         for key, label in (("wall_s", "s"), ("cpu_s", "cpu_s")):
             per_image = (figure(large, name, key) - figure(small, name, key)) / extra
             row[f"{label}_per_1000_images"] = round(per_image * 1000, 2)
-            for size, tag in ((COCO_IMAGES, "coco"), (WEB_IMAGES, "3m")):
+            for size, tag in ((40_000, "40k"), (COCO_IMAGES, "coco"), (WEB_IMAGES, "3m")):
                 projected = figure(large, name, key) + per_image * (size - large["images"])
                 row[f"{label}_at_{tag}_h"] = round(projected / 3600, 2)
         out[name] = row
@@ -469,6 +469,7 @@ def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
         row["cpu_exponent"] = fits[name]["cpu_exponent"]
         if linear and name in linear:
             row["cpu_s_per_1000_images"] = linear[name]["cpu_s_per_1000_images"]
+            row["cpu_h_40000"] = linear[name]["cpu_s_at_40k_h"]
             row["coco_cpu_h"] = linear[name]["cpu_s_at_coco_h"]
             row["web_cpu_h"] = linear[name]["cpu_s_at_3m_h"]
             if name != "dag":
