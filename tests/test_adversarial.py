@@ -143,3 +143,14 @@ def test_graphs_of_real_captions_compounds_and_relation_phrases():
     green = [f for f in out if f["source"] == "a#1" and f["attack"] == "attribute"]
     assert any("green park bench" in f["caption"] for f in green)
     assert not any("park green bench" in f["caption"] for f in green)
+
+
+def test_graph_rows_of_some_captions_are_read_in_file_order(tmp_path):
+    from features.scenegraph.files import read_graph_rows, write_scene_graphs
+
+    rows = [{**ROWS[i % 2], "key": f"im{i}#0"} for i in range(6)]
+    write_scene_graphs(tmp_path / "graphs", rows, VOCAB)
+    assert read_graph_rows(tmp_path / "graphs") == rows
+    wanted = {"im4#0": "im4", "im1#0": "im1", "nowhere#0": "nowhere"}  # any iterable of keys
+    assert read_graph_rows(tmp_path / "graphs", keys=wanted) == [rows[1], rows[4]]
+    assert read_graph_rows(tmp_path / "graphs", keys=[]) == []

@@ -189,13 +189,14 @@ def adversarial_stage(
     from features.text.stage import write_text_store
     from infra.files import atomic_path
 
-    table = manifest.table.to_pylist()
-    image_of = {
-        caption_key(r["key"], i): r["key"] for r in table for i in range(len(r["captions"]))
+    table = manifest.table.select(["key", "split", "captions"]).to_pylist()
+    image_of = {  # the captions of cfg.splits' images: the only graphs read
+        caption_key(r["key"], i): r["key"]
+        for r in table
+        if r["split"] in cfg.splits
+        for i in range(len(r["captions"]))
     }
-    split_of = {r["key"]: r["split"] for r in table}
-    graphs = read_graph_rows(scene_graphs)
-    rows = [g for g in graphs if split_of.get(image_of.get(g["key"])) in cfg.splits]
+    rows = read_graph_rows(scene_graphs, keys=image_of)
     fakes = adversarial_captions(
         rows, [image_of[g["key"]] for g in rows], read_negatives(scene_graphs), cfg
     )

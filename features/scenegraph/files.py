@@ -62,11 +62,17 @@ def _file(folder: str | Path, name: str) -> Path:
     return path
 
 
-def read_graph_rows(folder: str | Path) -> list[dict]:
-    """Every row of ``graphs.parquet``, in caption order."""
+def read_graph_rows(folder: str | Path, keys=None) -> list[dict]:
+    """The rows of ``graphs.parquet`` in caption order: every row, or those of the caption
+    ``keys`` (an iterable), selected in Arrow before any row becomes Python objects."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    return pq.read_table(_file(folder, GRAPHS)).to_pylist()
+    table = pq.read_table(_file(folder, GRAPHS))
+    if keys is not None:
+        table = table.filter(pc.is_in(table["key"], value_set=pa.array(list(keys), pa.string())))
+    return table.to_pylist()
 
 
 def read_graphs(folder: str | Path, keys: list[str]) -> list[dict]:
