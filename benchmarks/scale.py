@@ -140,8 +140,9 @@ def scaled_params(n_images: int, epochs: int | None = None) -> tuple[str, dict]:
             changed[f"{section}.epochs"] = [params[section]["epochs"], epochs]
             params[section]["epochs"] = epochs
         decay = params["train"]["lr_decay_epochs"]
-        changed["train.lr_decay_epochs"] = [decay, [e for e in decay if e < epochs]]
-        params["train"]["lr_decay_epochs"] = changed["train.lr_decay_epochs"][1]
+        kept = [e for e in decay if e < epochs]
+        changed["train.lr_decay_epochs"] = [decay, kept]
+        params["train"]["lr_decay_epochs"] = kept
     return yaml.safe_dump(params, sort_keys=False), changed
 
 
@@ -488,8 +489,11 @@ def epoch_factor(run: dict, stage: str) -> float:
     """How many times a stage's measured epochs its own setting in ``params.yaml`` is, for
     a run made with ``--epochs`` (1.0 for a stage that does not train, or a run without
     it): the whole stage's seconds times this over-counts only its fixed costs."""
-    section = stage if stage in ("detector", "graph_rise") else "train"
-    if section == "train" and not stage.startswith(("train@", "train-ablation@")):
+    if stage in ("detector", "graph_rise"):
+        section = stage
+    elif stage.startswith(("train@", "train-ablation@")):
+        section = "train"
+    else:
         return 1.0
     own, measured = run["params_changed"].get(f"{section}.epochs", (1, 1))
     return own / measured
