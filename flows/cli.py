@@ -3,9 +3,7 @@
 Every command that reads params validates the whole ``params.yaml`` before doing anything,
 so a broken config fails fast, and hands its handler the typed sections. Paths come from
 the command line (written once, in ``dvc.yaml``). A failure the user can fix prints one
-``error: ...`` line and exits non-zero. Before a command runs, numpy's and torch's CPU
-kernels and thread counts are pinned (:mod:`infra.kernels`), so its outputs are the same
-bytes on every x86-64 machine.
+``error: ...`` line and exits non-zero.
 """
 
 from __future__ import annotations
@@ -47,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv``. Run as ``vse`` (no ``argv``), the process's CPU kernels and
-    thread counts are pinned first (:func:`infra.kernels.pin`); given a list (tests, other
-    Python code), the calling process's environment is left as it is."""
+    thread counts are pinned first (:func:`infra.kernels.pin`), so its outputs are the same
+    bytes on every x86-64 machine; given a list (tests, other Python code), the calling
+    process's environment is left as it is."""
     args = build_parser().parse_args(argv)
     command = args.command_spec
     try:
@@ -60,12 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
             params = load_params(args.params)
         return command.run(args, params)
-    except ConfigError as err:
+    except (ConfigError, UserError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 1)  # Preempted: 75, resumable
+        return 2 if isinstance(err, ConfigError) else getattr(err, "exit_code", 1)  # Preempted: 75
     except OSError as err:  # a file the user named is missing, unwritable, a folder ...
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}", file=sys.stderr)

@@ -12,6 +12,8 @@ deployments named ``default`` and runs them on request::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -20,39 +22,30 @@ from prefect import flow, get_run_logger
 from flows.pipeline import features_flow, pipeline_flow, run_flow, stage_metrics
 
 
-def train_and_evaluate(
-    model: str, root: str, overrides: dict | None, pull: bool, push: bool, remote: str | None
-) -> dict[str, str]:
-    """Reproduce ``evaluate@<model>`` and what it needs; attach the evaluation table."""
+def attach_evaluation(model: str, overrides: dict | None, workspace: Path, experiment) -> None:
+    """Attach the evaluation table of ``evaluate@<model>`` in ``workspace`` to the run."""
     from prefect.artifacts import create_markdown_artifact
 
     from models.report.table import markdown_table
 
-    stage = f"evaluate@{model}"
-
-    def attach_evaluation(workspace: Path, experiment: str | None) -> None:
-        results = {}
-        for path in stage_metrics(workspace, stage):
-            result = json.loads(path.read_text())
-            results[result.get("model", model)] = result
-        table = markdown_table(results)
-        if experiment:
-            table += (
-                f"\nDVC experiment `{experiment}` (`dvc exp show`, `dvc exp apply {experiment}`)"
-                ", params overridden: "
-                + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in overrides.items())
-            )
-        create_markdown_artifact(
-            markdown=f"# {model}: evaluation\n\n{table}",
-            key=f"evaluation-{model}",
-            description=f"{model} retrieval metrics on the evaluation split"
-            + (f" (experiment {experiment})" if experiment else ""),
+    results = {}
+    for path in stage_metrics(workspace, f"evaluate@{model}"):
+        result = json.loads(path.read_text())
+        results[result.get("model", model)] = result
+    table = markdown_table(results)
+    if experiment:
+        table += (
+            f"\nDVC experiment `{experiment}` (`dvc exp show`, `dvc exp apply {experiment}`)"
+            ", params overridden: "
+            + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in overrides.items())
         )
-        get_run_logger().info("evaluation of %s:\n%s", model, table)
-
-    return run_flow(
-        f"train-{model}", [stage], root, overrides, pull, push, remote, collect=attach_evaluation
+    create_markdown_artifact(
+        markdown=f"# {model}: evaluation\n\n{table}",
+        key=f"evaluation-{model}",
+        description=f"{model} retrieval metrics on the evaluation split"
+        + (f" (experiment {experiment})" if experiment else ""),
     )
+    get_run_logger().info("evaluation of %s:\n%s", model, table)
 
 
 def _training_flow(model: str):
@@ -63,7 +56,11 @@ def _training_flow(model: str):
         push: bool = False,
         remote: str | None = None,
     ) -> dict[str, str]:
-        return train_and_evaluate(model, root, overrides, pull, push, remote)
+        collect = functools.partial(attach_evaluation, model, overrides)
+        stages = [f"evaluate@{model}"]
+        return run_flow(
+            f"train-{model}", stages, root, overrides, pull, push, remote, collect=collect
+        )
 
     # a module-level name Prefect can load the flow by (the deployment's entrypoint)
     run.__name__ = run.__qualname__ = f"train_{model}"
@@ -93,7 +90,7 @@ def serve(root: str | Path = ".", limit: int = 1) -> None:
         f.to_deployment(
             name="default",
             parameters={"root": root},
-            description=(f.description or "").strip().splitlines()[0] if f.description else None,
+            description=f.description.strip().splitlines()[0] if f.description else None,
         )
         for f in flows
     ]
@@ -115,12 +112,10 @@ def wait_for_server(timeout: float = 120.0) -> None:
         return
     deadline = time.monotonic() + timeout
     while True:
-        try:
+        with contextlib.suppress(OSError):  # not up yet
             with urllib.request.urlopen(f"{api.rstrip('/')}/health", timeout=2) as reply:
                 if reply.status == 200:
                     return
-        except OSError:
-            pass
         if time.monotonic() > deadline:
             raise UserError(
                 f"no Prefect server answers at {api} after {timeout:.0f} s; start one "

@@ -1,27 +1,13 @@
 """Distributed image extraction: the shards of a store fanned out over a Dask cluster by
-Prefect's Dask task runner (prefect-dask). Dask schedules; nothing here does.
+Prefect's Dask task runner (prefect-dask); ``docs/tutorials/dask-cluster.md`` shows how.
 
-::
-
-    coordinator (the flow)                   Dask workers: one Prefect task per group
-    plan      create or resume the store  -> build the extractor (once per worker process)
-    fan out   pending shards, in groups   -> extract_images(..., shards=group): a shard
-                                             writer commits exactly its own shards
-    finalize  every shard committed       -> the store is complete and moved into place
-
-A shard's content depends only on its images, so the store ends bitwise identical to a
-single-process run, given (1) batches that start at shard boundaries in both
-(``samples_per_shard`` a multiple of ``batch_size``, as with the default layout) and (2)
-the same number of torch threads per process: Dask's nanny starts workers with
-``OMP_NUM_THREADS=1``, and CPU kernels sum in a thread-dependent order, so a 2-thread
-single process differs in the last bit here and there (about one float16 ulp). Workers
-must see the coordinator's paths (one machine, or a shared file system). Heavy models are
-built in the workers from the stage's params, never pickled; Dask's worker processes are
-daemonic and cannot start DataLoader workers, so there images are decoded in the task.
-
-The image stages run it themselves (``vse extract regions|grid --dask-workers N`` or
-``--dask-address``, or the ``VSE_DASK_*`` environment variables that the ``features``
-flow sets), so the stage's own arguments say where its inputs and outputs are.
+The flow plans (creates or resumes the store), runs one task per group of pending shards
+(a shard writer committing exactly its own shards, with the extractor built once per
+worker process, never pickled) and finalizes once every shard is committed. A shard's
+content depends only on its images, so the store is bitwise identical to a one-process
+run's when batches start at shard boundaries (``samples_per_shard`` a multiple of
+``batch_size``) and both use the same number of torch threads (Dask's nanny starts
+workers with ``OMP_NUM_THREADS=1``). Workers must see the coordinator's paths.
 """
 
 from __future__ import annotations
@@ -91,22 +77,22 @@ def worker_extractor(job: ExtractJob):
     return _EXTRACTORS[key]
 
 
-def _store_writer(job: ExtractJob, log, shards=None):
+def _store_writer(job: ExtractJob):
+    """The store's one whole-store writer (it creates or resumes the store)."""
     from features.images.extract import image_store_writer
     from features.ingest.manifest import read_manifest
 
     manifest = read_manifest(Path(job.manifest))
-    extractor = worker_extractor(job)
+    log = get_run_logger().info
     return image_store_writer(
-        extractor, manifest, job.store_location, job.config, job.store, log=log, shards=shards
+        worker_extractor(job), manifest, job.store_location, job.config, job.store, log=log
     )
 
 
 @task(task_run_name="plan {job.stage}")
 def plan_store(job: ExtractJob) -> list[int]:
-    """Create or resume the store as its one whole-store writer; its pending shards."""
-    logger = get_run_logger()
-    with _store_writer(job, logger.info) as writer:
+    """Create or resume the store; its pending shards."""
+    with _store_writer(job) as writer:
         return writer.pending_shards()
 
 
@@ -147,8 +133,7 @@ def finalize_store(job: ExtractJob) -> dict:
     """Open the store whole once every shard writer is done: it is finalized (and its
     temp and lock files swept) if every shard is committed; an error naming the
     missing shards otherwise."""
-    logger = get_run_logger()
-    with _store_writer(job, logger.info) as writer:
+    with _store_writer(job) as writer:
         missing = writer.pending_shards()
     if missing:
         raise StoreError(
@@ -230,33 +215,10 @@ def extract_distributed(job: ExtractJob, shards_per_task: int = 1) -> dict:
     return summary
 
 
-def dask_task_runner(workers: int = 2, address: str | None = None):
-    """Prefect's Dask task runner on the cluster at ``address``, or on a LocalCluster of
-    ``workers`` single-threaded processes that lives as long as the flow run."""
-    from infra.config import require_extra
-
-    require_extra("distributed", "dask", "extraction over a Dask cluster")
-    DaskTaskRunner = require_extra(
-        "prefect_dask", "dask", "extraction over a Dask cluster"
-    ).DaskTaskRunner
-
-    if address:
-        return DaskTaskRunner(address=address)
-    if workers < 1:
-        raise ValueError(f"a local Dask cluster needs workers >= 1, got {workers}")
-    return DaskTaskRunner(
-        cluster_class="distributed.LocalCluster",
-        cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True},
-    )
-
-
 def _shared_prefect_api():
-    """Settings that send the workers' task runs to this process's Prefect API.
-
-    With no ``PREFECT_API_URL``, Prefect starts a temporary server per process, so every
-    Dask worker would start its own (10-20 s each, and its task runs would be recorded
-    there): hand the workers this process's temporary server instead.
-    """
+    """Settings that send the workers' task runs to this process's Prefect API: without
+    ``PREFECT_API_URL``, every Dask worker would start a temporary server of its own
+    (10-20 s each) and record its task runs there."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     if PREFECT_API_URL.value():
@@ -271,8 +233,22 @@ def _shared_prefect_api():
 def run_distributed(
     job: ExtractJob, workers: int = 0, address: str | None = None, shards_per_task: int = 1
 ) -> dict:
-    """Run :func:`extract_distributed` on a Dask cluster (see :func:`dask_task_runner`)."""
-    runner = dask_task_runner(workers, address)
+    """Run :func:`extract_distributed` with Prefect's Dask task runner on the cluster at
+    ``address``, or on a LocalCluster of ``workers`` single-threaded processes that lives
+    as long as the flow run."""
+    from infra.config import require_extra
+
+    require_extra("distributed", "dask", "extraction over a Dask cluster")
+    dask = require_extra("prefect_dask", "dask", "extraction over a Dask cluster")
+    if address:
+        runner = dask.DaskTaskRunner(address=address)
+    elif workers < 1:
+        raise ValueError(f"a local Dask cluster needs workers >= 1, got {workers}")
+    else:
+        runner = dask.DaskTaskRunner(
+            cluster_class="distributed.LocalCluster",
+            cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True},
+        )
     with _shared_prefect_api():
         return extract_distributed.with_options(task_runner=runner)(
             job=job, shards_per_task=shards_per_task

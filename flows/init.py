@@ -1,12 +1,10 @@
 """``vse init``: from the demo to a real dataset in one step.
 
-Writes ``params.yaml`` and ``dvc.yaml`` for a dataset: every params section at the code
-defaults (the papers' settings: ``vse params``) except the choices this dataset needs,
-each written with its reason (:func:`real_params`); and the demo's DAG without the stages
-the data cannot feed (:data:`STAGE_RULES`), every argument and dep that named their outputs
-removed with them (:func:`real_dag`). Nothing of the demo remains: no ``demo`` section, no
-``demo-data`` stage, no demo-sized value. ``git checkout params.yaml dvc.yaml`` returns to
-the demo, the default of a fresh clone.
+Writes ``params.yaml``, every section at the code defaults (the papers' settings) except
+the choices this dataset needs, each with its reason (:func:`real_params`), and
+``dvc.yaml``, the demo's DAG without the stages the data cannot feed (:data:`STAGE_RULES`)
+nor any argument or dep naming their outputs (:func:`real_dag`). Nothing of the demo
+remains. ``git checkout params.yaml dvc.yaml`` returns to the demo.
 """
 
 from __future__ import annotations
@@ -158,10 +156,7 @@ def real_params(plan: Plan) -> dict:
     params = params_model()().model_dump(mode="json", by_alias=True)
     del params["demo"]
     first = ("prepare", "store", "shards", "detector", "regions", "grid", "global")
-    params = {
-        k: params[k]
-        for k in sorted(params, key=lambda k: (k not in first, first.index(k) if k in first else 0))
-    }
+    params = {k: params[k] for k in first} | params
     if not plan.boxes:
         del params["detector"]
 

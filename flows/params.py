@@ -1,14 +1,12 @@
 """``params.yaml``: the project's only config file, validated as a whole before any work.
 
-:data:`SECTIONS` says which typed model validates each section, next to the code that
-uses it; :func:`params_model` composes them into one model. Unknown keys and wrong types
-fail with the full key path, e.g. ``params.yaml: prepare.max_eror_fraction: unknown key,
-did you mean max_error_fraction``.
+:data:`SECTIONS` names the typed model of each section; :func:`params_model` composes them
+into one model. Unknown keys and wrong types fail with the full key path, e.g.
+``params.yaml: prepare.max_eror_fraction: unknown key, did you mean max_error_fraction``.
 
-Sections are named by import path rather than imported here: a stage's code deps in
-``dvc.yaml`` are the modules its command imports, and validating the sections a stage does
-not read can stop it but never change its outputs, so the modules of those sections are
-not its deps (``tests/test_dag.py`` adds the modules of the sections a stage reads).
+Sections are named by import path, not imported here: a stage's code deps in ``dvc.yaml``
+are the modules its command imports, and those of the sections it does not read cannot
+change its outputs (``tests/test_dag.py`` adds the modules of the sections it reads).
 """
 
 from __future__ import annotations

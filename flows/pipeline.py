@@ -1,17 +1,12 @@
 """Prefect flows over the DVC DAG: one task per DVC stage, in the DAG's order.
 
-DVC stays the single source of truth: each task runs ``dvc repro --single-item <stage>``
-in the repository, so ``dvc.lock`` and the cache are shared with plain ``dvc repro`` (a
-stage done by either is skipped by the other). A stage that ``dvc status`` finds up to date
-is skipped without running. Its output reaches the Prefect run's logs line by line while
-it runs. Prefect adds retries, logs, run history and deployments.
+Each task runs ``dvc repro --single-item <stage>`` (skipped when ``dvc status`` finds it up
+to date), so DVC stays the single source of truth: ``dvc.lock`` and the cache are shared
+with plain ``dvc repro``. The stage's output reaches the run's logs line by line.
 
-Parameter overrides run as a DVC experiment: in a temporary git worktree of the repository
-(its uncommitted changes copied in, the DVC cache shared), params.yaml gets the overrides,
-the stages run there one task each as above (unchanged upstream stages come back from the
-run cache), and ``dvc exp save`` records the result as a named experiment of the
-repository (``dvc exp show``). The workspace's params.yaml, dvc.lock and outputs are never
-touched.
+Parameter overrides run as a DVC experiment in a temporary git worktree (uncommitted
+changes copied in, DVC cache shared), recorded by ``dvc exp save``; the workspace's
+params.yaml, dvc.lock and outputs are never touched.
 """
 
 from __future__ import annotations
@@ -67,27 +62,22 @@ def _dvc(args: list[str], root: str | Path, what: str, env: dict | None = None) 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
-        bufsize=0,
+        encoding="utf-8",
+        errors="replace",
     )
     lines: list[str] = []
     last_progress = 0.0
-    pending = ""
-    for chunk in iter(lambda: proc.stdout.read(4096), b""):
-        pending += chunk.decode("utf-8", errors="replace")
-        *complete, pending = re.split(r"[\r\n]", pending)
-        for line in complete:
-            if not line.strip():
+    for line in proc.stdout:  # universal newlines: a progress bar's "\r" ends a line too
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if PROGRESS.search(line):  # progress bars redraw many times a second
+            if time.monotonic() - last_progress < PROGRESS_EVERY:
                 continue
-            if PROGRESS.search(line):  # progress bars redraw many times a second
-                if time.monotonic() - last_progress < PROGRESS_EVERY:
-                    continue
-                last_progress = time.monotonic()
-            else:
-                lines.append(line)
-            logger.info("%s | %s", what, line)
-    if pending.strip():
-        lines.append(pending)
-        logger.info("%s | %s", what, pending)
+            last_progress = time.monotonic()
+        else:
+            lines.append(line)
+        logger.info("%s | %s", what, line)
     if proc.wait():
         tail = "\n".join(lines[-15:])
         raise RuntimeError(f"{what} failed (dvc {' '.join(args)}, exit {proc.returncode}):\n{tail}")
@@ -135,12 +125,10 @@ def resumable(last: Path, model: str, config: dict) -> bool:
 
 
 def set_aside_preempted(root: str, stage: str) -> dict:
-    """A preempted ``train@<model>`` (or ``train-ablation@<run>``) left ``last.pt`` in its
-    output folder, which ``dvc repro`` removes before it runs the stage again: a
-    compatible one (same model and params) is copied aside and named to ``vse train`` by
-    ``VSE_TRAIN_RESUME_FROM``, so the rerun resumes
-    (:func:`flows.commands.train.run_train`). The environment for the stage (empty when
-    there is nothing to resume)."""
+    """The environment that lets training stage ``stage`` resume (``{}`` if it cannot):
+    ``dvc repro`` removes the ``last.pt`` a preempted run left, so a compatible one (same
+    model and params) is copied aside and named to ``vse train`` by ``VSE_TRAIN_RESUME_FROM``
+    (:func:`flows.commands.train.run_train`)."""
     from flows.params import load_params
 
     params = load_params(Path(root) / "params.yaml")
@@ -160,11 +148,10 @@ def set_aside_preempted(root: str, stage: str) -> dict:
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
 def run_stage(stage: str, root: str, env: dict | None = None, resume: bool = False) -> str:
-    """One DVC stage: "skipped" when up to date, else "ran" (run, or its outputs restored
-    from the run cache). ``env`` adds environment variables for the stage's command (e.g.
-    its Dask cluster). With ``resume``, a training stage goes on from the
-    ``last.pt`` a preempted run of it left (:func:`set_aside_preempted`): on a rerun of
-    the flow, and on this task's retry after the trainer exited 75."""
+    """One DVC stage: "skipped" when up to date, else "ran" (or restored from the run cache).
+    ``env``: more environment for its command (e.g. its Dask cluster). With ``resume``, a
+    training stage resumes from a preempted run's ``last.pt`` (:func:`set_aside_preempted`):
+    on a rerun of the flow, and on this task's retry after the trainer exited 75."""
     if up_to_date(stage, root):
         get_run_logger().info("%s: up to date, skipped", stage)
         return "skipped"
@@ -241,13 +228,6 @@ def experiment_workspace(root: str | Path, overrides: dict) -> Iterator[Path]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def experiment_name(flow_name: str, overrides: dict) -> str:
-    """``<flow>-<digest of the overrides>``: the same overrides name the same experiment
-    (a rerun replaces it), different ones never collide."""
-    digest = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
-    return f"{flow_name}-{digest[:8]}"
-
-
 @task(task_run_name="save experiment")
 def save_experiment(work: str, stages: list[str], name: str, overrides: dict) -> str:
     """Record the experiment workspace's results as experiment ``name`` (``dvc exp save``,
@@ -282,10 +262,9 @@ def run_flow(
         # in DAG order; experiments (overrides) train afresh
         states = {stage: run_stage(stage, str(work), env, not overrides) for stage in stages}
         experiment = None
-        if overrides:
-            experiment = save_experiment(
-                str(work), stages, experiment_name(name, overrides), overrides
-            )
+        if overrides:  # the same overrides name the same experiment (a rerun replaces it)
+            digest = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
+            experiment = save_experiment(str(work), stages, f"{name}-{digest[:8]}", overrides)
         if collect is not None:
             collect(Path(work), experiment)
     if push:

@@ -118,3 +118,19 @@ def test_broken_result_and_manifest_files_are_one_line_errors(tmp_path, capsys):
     assert main(["store", "export-precomp", str(tmp_path / "x.zarr"), *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'm.parquet'}: ") and err.count("\n") == 1, err
+
+
+def test_flow_of_a_model_not_enabled_is_a_one_line_error(repo_root, tmp_path):
+    """``vse flow`` reads ``models.enabled``: a model left out of it has no training flow."""
+    import yaml
+
+    params = yaml.safe_load((repo_root / "params.yaml").read_text())
+    del params["models"]["enabled"]["huse"]
+    params["models"]["ablations"] = {}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    result = subprocess.run(
+        ["vse", "flow", "train-huse"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 1, result.stderr
+    assert "huse is not in models.enabled of params.yaml" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

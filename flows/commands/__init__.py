@@ -1,23 +1,18 @@
 """The ``vse`` commands, one module each: its arguments and its handler together.
 
-A command module defines ``COMMANDS``, a list of :class:`Command`: the words that call it
-(``"extract text"``), its help, a function adding its arguments and the handler
-``run(args, params)``. The handler reads its inputs, calls the stage's pure core (in
-``features/`` or ``models/``) and reports; the stage's logic lives in the core. Heavy
-imports (torch, zarr, spaCy) happen inside handlers, so ``vse --help`` starts fast.
+A handler ``run(args, params)``, registered by :func:`command`, reads its inputs, calls the
+stage's pure core (in ``features/`` or ``models/``) and reports. Heavy imports (torch,
+zarr, spaCy) happen inside handlers, so ``vse --help`` starts fast. :func:`discover`
+imports every module of this package: nothing else lists the commands.
 
-:func:`discover` finds every module of this package, so adding a command means adding a
-module (and, for a DVC stage, its core function and its ``dvc.yaml`` entry); nothing else
-lists the commands.
-
-Paths are declared with :func:`path_in` / :func:`path_out`, which mark the argument as an
-input or an output of the stage: ``tests/test_dag.py`` parses every ``dvc.yaml`` command
-with them and checks that inputs are deps and outputs are outs.
+:func:`path_in` / :func:`path_out` mark a path argument as an input or an output of the
+stage; ``tests/test_dag.py`` checks them against ``dvc.yaml``'s deps and outs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -29,11 +24,8 @@ from tqdm import tqdm
 
 @dataclass(frozen=True)
 class Command:
-    """One ``vse`` command.
-
-    ``sections`` are the params.yaml sections the handler reads (every command that reads
-    params validates the whole file first); ``None``: the command reads no params.
-    """
+    """One ``vse`` command. ``sections``: the params.yaml sections the handler reads (the
+    whole file is validated first); ``None``: the command reads no params."""
 
     name: str  # words after `vse`, e.g. "extract text"
     help: str
@@ -53,15 +45,30 @@ GROUPS = {
     "exp": "DVC experiments (runs with overridden params)",
     "train": "train a retrieval model, or the bottom-up detector",
 }
+_COMMANDS: list[Command] = []  # filled by @command as discover() imports the modules
+
+
+def command(
+    name: str,
+    help: str,
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None,
+    sections: tuple[str, ...] | None = (),
+    description: str | None = None,
+) -> Callable:
+    """Register the decorated handler as the :class:`Command` ``vse <name>``."""
+
+    def register(run: Callable) -> Callable:
+        _COMMANDS.append(Command(name, help, arguments, run, sections, description))
+        return run
+
+    return register
 
 
 def discover() -> list[Command]:
     """Every command of every module in this package, by name."""
-    commands = []
     for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        commands.extend(getattr(module, "COMMANDS", []))
-    return sorted(commands, key=lambda c: c.name)
+        importlib.import_module(f"{__name__}.{info.name}")
+    return sorted(_COMMANDS, key=lambda c: c.name)
 
 
 def path_in(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> argparse.Action:
@@ -92,8 +99,4 @@ def stage_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
 
 def progress(desc: str, unit: str = "img") -> Callable:
     """A progress bar factory showing items/s: ``progress(total=n)`` or ``progress(items)``."""
-
-    def bar(items=None, total=None):
-        return tqdm(items, total=total, desc=desc, unit=unit, mininterval=1.0, dynamic_ncols=True)
-
-    return bar
+    return functools.partial(tqdm, desc=desc, unit=unit, mininterval=1.0, dynamic_ncols=True)

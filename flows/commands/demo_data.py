@@ -5,13 +5,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_out, progress
+from flows.commands import command, path_out, progress
 
 
 def arguments(p) -> None:
     path_out(p, "--out", help="output folder, e.g. data/demo")
 
 
+@command(
+    "demo-data",
+    help="generate the synthetic demo dataset (params: demo)",
+    description="Write images/*.png and a Karpathy-style dataset.json with labels, boxes, "
+    "gold dependency trees and scene graphs.",
+    arguments=arguments,
+    sections=("demo",),
+)
 def run(args, params) -> int:
     from features.demo import build_dataset
 
@@ -25,16 +33,3 @@ def run(args, params) -> int:
         f"in {seconds:.1f} s ({n / seconds:.0f} img/s)"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "demo-data",
-        help="generate the synthetic demo dataset (params: demo)",
-        description="Write images/*.png and a Karpathy-style dataset.json with labels, boxes, "
-        "gold dependency trees and scene graphs.",
-        arguments=arguments,
-        run=run,
-        sections=("demo",),
-    )
-]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out
+from flows.commands import command, path_in, path_out
 from flows.commands.train import feature_arguments, feature_paths, store_location
 from models.registry import MODEL_NAMES
 
@@ -29,6 +29,15 @@ def evaluate_arguments(p) -> None:
     )
 
 
+@command(
+    "evaluate",
+    help="retrieval metrics of a trained model (params: evaluate)",
+    description="R@1/5/10, medr, meanr and rsum both ways on the whole split, COCO-1K "
+    "style folds when the split has two or more, robustness to adversarial captions, "
+    "and classification metrics for models that classify.",
+    arguments=evaluate_arguments,
+    sections=("evaluate",),
+)
 def run_evaluate(args, params) -> int:
     """The checkpoint's model on ``evaluate.split`` (standardised with the train statistics
     it was trained with): metrics JSON, and the gallery's data when asked."""
@@ -36,7 +45,7 @@ def run_evaluate(args, params) -> int:
     from infra.files import write_json
     from models.data.pairs import PairData
     from models.evaluate import embed, evaluate_model
-    from models.registry import model_inputs
+    from models.registry import model_inputs, model_stores
     from models.train import load_checkpoint
 
     start = time.perf_counter()
@@ -51,10 +60,12 @@ def run_evaluate(args, params) -> int:
         store = store_location(args.adversarial)
         adversarial = data.with_adversarial(store, Path(args.adversarial_captions))
     embeddings = embed(model, data, cfg, device)
+    kind = model_stores(args.model)[0]  # its image store: --global/--graph_rise, --regions, --grid
+    image_store = getattr(args, "global_" if kind == "global" else kind)
     report = {
         "model": args.model,
         "name": args.name or args.model,
-        "image_store": image_store(args).rstrip("/").rsplit("/", 1)[-1],
+        "image_store": image_store.rstrip("/").rsplit("/", 1)[-1],
         **evaluate_model(model, data, cfg, device, adversarial, embeddings=embeddings),
     }
     write_json(Path(args.out), report)
@@ -63,7 +74,7 @@ def run_evaluate(args, params) -> int:
 
         gallery = gallery_data(model, data, *embeddings, device)
         write_json(Path(args.gallery), {"model": args.model, **gallery})
-    full = report["full"]
+    full, folds = report["full"], report.get("folds")
     attacked = ", ".join(f"{a} {m['i2t_r1']:.1f}" for a, m in report.get("adversarial", {}).items())
     print(
         f"evaluate {report['name']} on {report['split']} ({report['images']} images, "
@@ -71,40 +82,12 @@ def run_evaluate(args, params) -> int:
         f"{full['i2t_r1']:.1f}/{full['i2t_r5']:.1f}/{full['i2t_r10']:.1f}, t2i "
         f"{full['t2i_r1']:.1f}/{full['t2i_r5']:.1f}/{full['t2i_r10']:.1f}, rsum {full['rsum']:.1f}"
         + (f"; with adversarial captions i2t R@1: {attacked}" if attacked else "")
-        + folds_summary(report)
+        + (
+            f"; {folds['n_folds']} folds of {folds['fold_size']} images rsum {folds['rsum']:.1f} "
+            f"({folds['left_out']} images left out)"
+            if folds
+            else ""
+        )
         + f" -> {args.out}"
     )
     return 0
-
-
-def image_store(args) -> str:
-    """The image store the model was given (``--global``/``--graph_rise``, ``--regions`` or
-    ``--grid``, by the model's input)."""
-    from models.registry import model_stores
-
-    store = model_stores(args.model)[0]
-    return getattr(args, "global_" if store == "global" else store)
-
-
-def folds_summary(report: dict) -> str:
-    folds = report.get("folds")
-    if not folds:
-        return ""
-    return (
-        f"; {folds['n_folds']} folds of {folds['fold_size']} images rsum {folds['rsum']:.1f} "
-        f"({folds['left_out']} images left out)"
-    )
-
-
-COMMANDS = [
-    Command(
-        "evaluate",
-        help="retrieval metrics of a trained model (params: evaluate)",
-        description="R@1/5/10, medr, meanr and rsum both ways on the whole split, COCO-1K "
-        "style folds when the split has two or more, robustness to adversarial captions, "
-        "and classification metrics for models that classify.",
-        arguments=evaluate_arguments,
-        run=run_evaluate,
-        sections=("evaluate",),
-    ),
-]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from flows.commands import Command
+from flows.commands import command
 from flows.text_table import text_table
 
 
@@ -65,6 +65,13 @@ def table(shown: list[dict]) -> str:
     return text if changed else f"{text}\n(no param differs between these rows)"
 
 
+@command(
+    "exp show",
+    help="DVC experiments in a narrow table: params that differ, rsum per model",
+    description="The params that differ between the workspace, commits and experiments, "
+    "and each model's evaluation rsum (dvc exp show --json has everything).",
+    sections=None,
+)
 def run(args, params) -> int:
     from infra.config import UserError
 
@@ -73,16 +80,3 @@ def run(args, params) -> int:
         raise UserError(f"dvc exp show failed: {result.stderr.strip().splitlines()[-1:]}")
     print(table(json.loads(result.stdout)))
     return 0
-
-
-COMMANDS = [
-    Command(
-        "exp show",
-        help="DVC experiments in a narrow table: params that differ, rsum per model",
-        description="The params that differ between the workspace, commits and experiments, "
-        "and each model's evaluation rsum (dvc exp show --json has everything).",
-        arguments=lambda p: None,
-        run=run,
-        sections=None,
-    )
-]

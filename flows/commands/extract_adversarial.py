@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -17,6 +17,14 @@ def arguments(p) -> None:
     path_out(p, "--out", help="text store of the fake captions to write")
 
 
+@command(
+    "extract adversarial",
+    help="text-domain adversarial captions and their text features (params: adversarial)",
+    description="UniVSE 4.2: object, attribute and relation attacks made by editing each "
+    "caption's scene graph; encoded with the text stage's model and vocabularies.",
+    arguments=arguments,
+    sections=("adversarial", "text", "store"),
+)
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.adversarial import adversarial_stage
@@ -44,16 +52,3 @@ def run(args, params) -> int:
         f"{args.out}"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "extract adversarial",
-        help="text-domain adversarial captions and their text features (params: adversarial)",
-        description="UniVSE 4.2: object, attribute and relation attacks made by editing each "
-        "caption's scene graph; encoded with the text stage's model and vocabularies.",
-        arguments=arguments,
-        run=run,
-        sections=("adversarial", "text", "store"),
-    )
-]

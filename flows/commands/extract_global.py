@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out
+from flows.commands import command, path_in, path_out
 
 
 def arguments(p) -> None:
@@ -16,6 +16,12 @@ def arguments(p) -> None:
     path_out(p, "--out", help="global store to write")
 
 
+@command(
+    "extract global",
+    help="global image features + PCA projection fitted on train (params: global)",
+    arguments=arguments,
+    sections=("global", "store"),
+)
 def run(args, params) -> int:
     from features.images.global_features import extract_global
     from features.ingest.manifest import read_manifest
@@ -31,14 +37,3 @@ def run(args, params) -> int:
     dims = ", ".join(f"{k} {v.shape}" for k, v in store.fields.items())
     print(f"extract global: {len(store)} images -> {args.out} ({dims})")
     return 0
-
-
-COMMANDS = [
-    Command(
-        "extract global",
-        help="global image features + PCA projection fitted on train (params: global)",
-        arguments=arguments,
-        run=run,
-        sections=("global", "store"),
-    )
-]

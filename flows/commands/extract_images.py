@@ -12,7 +12,7 @@ import os
 import warnings
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 from infra.files import location
 
 DASK_WORKERS, DASK_ADDRESS = "VSE_DASK_WORKERS", "VSE_DASK_ADDRESS"
@@ -106,17 +106,14 @@ def run(args, params) -> int:
     return 0
 
 
-COMMANDS = [
-    Command(
+for stage, text in (
+    ("regions", "Faster R-CNN region features, bottom-up-attention style (params: regions)"),
+    ("grid", "ResNet conv5 grid features and their pooled mean (params: grid)"),
+):
+    command(
         f"extract {stage}",
         help=text,
         description=text,
         arguments=lambda p, stage=stage: (arguments(p), p.set_defaults(stage=stage)),
-        run=run,
         sections=(stage, "store"),
-    )
-    for stage, text in (
-        ("regions", "Faster R-CNN region features, bottom-up-attention style (params: regions)"),
-        ("grid", "ResNet conv5 grid features and their pooled mean (params: grid)"),
-    )
-]
+    )(run)

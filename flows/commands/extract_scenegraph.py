@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -19,6 +19,14 @@ def arguments(p) -> None:
     path_out(p, "--metrics", help="JSON of counts (a DVC metrics file)")
 
 
+@command(
+    "extract scenegraph",
+    help="scene graphs of every caption from a spaCy parse (params: scenegraph)",
+    description="Objects, attribute-object pairs and relation triples per caption, by "
+    "rules over a dependency parse (Schuster et al. 2015), to a folder of parquet and JSON.",
+    arguments=arguments,
+    sections=("scenegraph",),
+)
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.files import write_scene_graphs
@@ -46,16 +54,3 @@ def run(args, params) -> int:
         f"{result.summary['negative_vocab']} -> {args.out}"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "extract scenegraph",
-        help="scene graphs of every caption from a spaCy parse (params: scenegraph)",
-        description="Objects, attribute-object pairs and relation triples per caption, by "
-        "rules over a dependency parse (Schuster et al. 2015), to a folder of parquet and JSON.",
-        arguments=arguments,
-        run=run,
-        sections=("scenegraph",),
-    )
-]

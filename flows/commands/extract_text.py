@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -15,6 +15,14 @@ def arguments(p) -> None:
     path_out(p, "--vocab", help="JSON of the word and TF-IDF vocabularies")
 
 
+@command(
+    "extract text",
+    help="BERT token and HUSE document features, word and TF-IDF vocabularies (params: text)",
+    description="A caption-level store: last-layer token features, WordPiece ids, HUSE "
+    "document features, word ids and sparse TF-IDF, with vocabularies fitted on train.",
+    arguments=arguments,
+    sections=("text", "store"),
+)
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.text.stage import extract_text, load_bert_texts
@@ -41,16 +49,3 @@ def run(args, params) -> int:
         f"{len(vocab['tfidf_terms'])} TF-IDF terms -> {args.out}, {args.vocab}"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "extract text",
-        help="BERT token and HUSE document features, word and TF-IDF vocabularies (params: text)",
-        description="A caption-level store: last-layer token features, WordPiece ids, HUSE "
-        "document features, word ids and sparse TF-IDF, with vocabularies fitted on train.",
-        arguments=arguments,
-        run=run,
-        sections=("text", "store"),
-    )
-]

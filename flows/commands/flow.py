@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from flows.commands import Command
+from flows.commands import command
 from models.registry import MODEL_NAMES
 
 FLOWS = ("features", "pipeline", *(f"train-{name}" for name in MODEL_NAMES))
@@ -59,6 +59,15 @@ def flow_arguments(p) -> None:
     )
 
 
+@command(
+    "flow",
+    help="run DVC stages as a Prefect flow (one task per stage, DVC's lock and cache)",
+    description="features: every feature stage and what it needs; pipeline: the whole "
+    "DAG; train-MODEL: one model's training and evaluation. With -S, the run is one DVC "
+    "experiment with those params overridden.",
+    arguments=flow_arguments,
+    sections=("models",),
+)
 def run_flow(args, params) -> int:
     from infra.config import UserError
 
@@ -96,32 +105,17 @@ def serve_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=1, help="flow runs at a time (default 1)")
 
 
+@command(
+    "prefect serve",
+    help="serve features, pipeline and train-MODEL as deployments <flow>/default",
+    description="Registers every flow with the Prefect API (PREFECT_API_URL) and runs "
+    "the flow runs it is asked for, e.g. `prefect deployment run train-mvvse/default "
+    "-p overrides='{\"models.mvvse.lambda_\": 0.5}' --watch`. Stop with Ctrl-C.",
+    arguments=serve_arguments,
+    sections=None,
+)
 def run_serve(args, params) -> int:
     from flows.deploy import serve
 
     serve(args.root, args.limit)
     return 0
-
-
-COMMANDS = [
-    Command(
-        "flow",
-        help="run DVC stages as a Prefect flow (one task per stage, DVC's lock and cache)",
-        description="features: every feature stage and what it needs; pipeline: the whole "
-        "DAG; train-MODEL: one model's training and evaluation. With -S, the run is one DVC "
-        "experiment with those params overridden.",
-        arguments=flow_arguments,
-        run=run_flow,
-        sections=None,
-    ),
-    Command(
-        "prefect serve",
-        help="serve features, pipeline and train-MODEL as deployments <flow>/default",
-        description="Registers every flow with the Prefect API (PREFECT_API_URL) and runs "
-        "the flow runs it is asked for, e.g. `prefect deployment run train-mvvse/default "
-        "-p overrides='{\"models.mvvse.lambda_\": 0.5}' --watch`. Stop with Ctrl-C.",
-        arguments=serve_arguments,
-        run=run_serve,
-        sections=None,
-    ),
-]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command
+from flows.commands import command
 from flows.init import PROTOCOLS
 
 
@@ -28,6 +28,17 @@ def arguments(p) -> None:
     p.add_argument("--root", type=Path, default=Path("."), help="the repository (default: .)")
 
 
+@command(
+    "init",
+    help="write params.yaml and dvc.yaml for a real dataset (papers' settings)",
+    description="Replaces the demo's params.yaml and dvc.yaml: every section at the "
+    "papers' defaults except what this dataset needs (each choice commented with its "
+    "reason), no demo stage, the detector stage only when the annotations have boxes, "
+    "HUSE only when they have class labels. `git checkout params.yaml dvc.yaml` returns "
+    "to the demo.",
+    arguments=arguments,
+    sections=None,
+)
 def run(args, params) -> int:
     from flows.init import init
 
@@ -35,19 +46,3 @@ def run(args, params) -> int:
         print(f"vse init: {line}")
     print("vse init: wrote params.yaml and dvc.yaml; next: dvc repro")
     return 0
-
-
-COMMANDS = [
-    Command(
-        "init",
-        help="write params.yaml and dvc.yaml for a real dataset (papers' settings)",
-        description="Replaces the demo's params.yaml and dvc.yaml: every section at the "
-        "papers' defaults except what this dataset needs (each choice commented with its "
-        "reason), no demo stage, the detector stage only when the annotations have boxes, "
-        "HUSE only when they have class labels. `git checkout params.yaml dvc.yaml` returns "
-        "to the demo.",
-        arguments=arguments,
-        run=run,
-        sections=None,
-    ),
-]

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import yaml
 
-from flows.commands import Command
+from flows.commands import command
 
 
+@command("params", help="validate params.yaml and print it with defaults")
 def run(args, params) -> int:
     print(yaml.safe_dump(params.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
     return 0
-
-
-COMMANDS = [
-    Command(
-        "params",
-        help="validate params.yaml and print it with defaults",
-        arguments=lambda p: None,
-        run=run,
-    )
-]

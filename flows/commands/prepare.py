@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -20,6 +20,14 @@ def arguments(p) -> None:
     path_out(p, "--metrics", help="JSON of counts (a DVC metrics file)")
 
 
+@command(
+    "prepare",
+    help="validate a raw dataset into the canonical manifest (params: prepare)",
+    description="Read Karpathy JSON, UPMC Food-101 or the demo dataset, validate every "
+    "record and write the manifest parquet, an errors CSV and a metrics JSON.",
+    arguments=arguments,
+    sections=("prepare",),
+)
 def run(args, params) -> int:
     from features.ingest.prepare import prepare
 
@@ -33,16 +41,3 @@ def run(args, params) -> int:
         progress=progress("prepare", unit="record"),
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "prepare",
-        help="validate a raw dataset into the canonical manifest (params: prepare)",
-        description="Read Karpathy JSON, UPMC Food-101 or the demo dataset, validate every "
-        "record and write the manifest parquet, an errors CSV and a metrics JSON.",
-        arguments=arguments,
-        run=run,
-        sections=("prepare",),
-    )
-]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command
+from flows.commands import command
 
 
 def stage_inputs(repo, targets: list[str]) -> list[str]:
@@ -37,12 +37,11 @@ def stage_inputs(repo, targets: list[str]) -> list[str]:
 
 def locked_sizes(repo) -> dict[str, int]:
     """Each stage output's size in bytes, as ``dvc.lock`` records it."""
-    sizes = {}
-    for stage in repo.index.stages:
-        for out in stage.outs:
-            size = (out.meta.size if out.meta else None) or 0
-            sizes[str(out.def_path)] = int(size)
-    return sizes
+    return {
+        str(out.def_path): int((out.meta.size if out.meta else None) or 0)
+        for stage in repo.index.stages
+        for out in stage.outs
+    }
 
 
 def tree_bytes(folder: Path) -> int:
@@ -81,6 +80,19 @@ def pull_inputs(repo, stages: list[str], remote=None, jobs=None) -> dict:
     }
 
 
+def arguments(p) -> None:
+    p.add_argument("stages", nargs="+", help="stages, e.g. evaluate@mvvse train@huse")
+    p.add_argument("-r", "--remote", help="DVC remote (default: the project's default)")
+    p.add_argument("-j", "--jobs", type=int, help="parallel transfers (DVC's default)")
+
+
+@command(
+    "pull",
+    help="pull from the DVC remote only the outputs that the given stages read",
+    arguments=arguments,
+    sections=None,
+    description=__doc__,
+)
 def run(args, params) -> int:
     from dvc.repo import Repo
 
@@ -99,21 +111,3 @@ def run(args, params) -> int:
     for path, size in pulled["outputs"].items():
         print(f"  {path}  {size / 2**20:.1f} MB")
     return 0
-
-
-def _arguments(p) -> None:
-    p.add_argument("stages", nargs="+", help="stages, e.g. evaluate@mvvse train@huse")
-    p.add_argument("-r", "--remote", help="DVC remote (default: the project's default)")
-    p.add_argument("-j", "--jobs", type=int, help="parallel transfers (DVC's default)")
-
-
-COMMANDS = [
-    Command(
-        "pull",
-        "pull from the DVC remote only the outputs that the given stages read",
-        _arguments,
-        run,
-        sections=None,
-        description=__doc__,
-    )
-]

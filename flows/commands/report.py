@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out
+from flows.commands import command, path_in, path_out
 
 
 def report_arguments(p) -> None:
@@ -40,6 +40,12 @@ def model_files(paths: list[str] | None, enabled) -> list[Path]:
     return out
 
 
+@command(
+    "report",
+    help="one table of all models on the same split, with the papers' numbers",
+    arguments=report_arguments,
+    sections=("models",),
+)
 def run_report(args, params) -> int:
     from infra.config import UserError
     from models.report.table import write_report
@@ -75,14 +81,3 @@ def run_report(args, params) -> int:
             f"report: gallery -> {args.gallery_html} ({len(pngs)} pictures in {args.gallery_pngs})"
         )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "report",
-        help="one table of all models on the same split, with the papers' numbers",
-        arguments=report_arguments,
-        run=run_report,
-        sections=("models",),
-    ),
-]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def _named_paths(items: list[str], option: str) -> dict[str, str]:
@@ -49,6 +49,14 @@ def arguments(p) -> None:
     )
 
 
+@command(
+    "shards build",
+    help="pack per-split training samples into tar shards (params: shards)",
+    description="Pack captions, labels, ground-truth boxes and the fields of the given "
+    "stores into {split}-NNNNNN.tar shards with a sizes.json.",
+    arguments=arguments,
+    sections=("shards",),
+)
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.files import GRAPHS
@@ -89,16 +97,3 @@ def run(args, params) -> int:
         f"in {seconds:.1f} s ({images / max(seconds, 1e-9):.0f} images/s)"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "shards build",
-        help="pack per-split training samples into tar shards (params: shards)",
-        description="Pack captions, labels, ground-truth boxes and the fields of the given "
-        "stores into {split}-NNNNNN.tar shards with a sizes.json.",
-        arguments=arguments,
-        run=run,
-        sections=("shards",),
-    )
-]

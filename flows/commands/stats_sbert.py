@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -16,6 +16,14 @@ def arguments(p) -> None:
     path_out(p, "--examples", help="JSON of most/least consistent images")
 
 
+@command(
+    "stats sbert",
+    help="Sentence-BERT similarity of captions of the same image (params: sbert)",
+    description="Per image, the cosine similarity of every pair of its captions (MV-VSE "
+    "Fig. 2): metrics per split, a histogram (DVC plot and PNG), extreme images.",
+    arguments=arguments,
+    sections=("sbert",),
+)
 def run(args, params) -> int:
     from features.ingest.manifest import read_manifest
     from features.text.sbert_stats import caption_statistics, sbert_encoder, write_statistics
@@ -32,16 +40,3 @@ def run(args, params) -> int:
         )
     print(f"sbert: plot {args.png}, most/least consistent images {args.examples}")
     return 0
-
-
-COMMANDS = [
-    Command(
-        "stats sbert",
-        help="Sentence-BERT similarity of captions of the same image (params: sbert)",
-        description="Per image, the cosine similarity of every pair of its captions (MV-VSE "
-        "Fig. 2): metrics per split, a histogram (DVC plot and PNG), extreme images.",
-        arguments=arguments,
-        run=run,
-        sections=("sbert",),
-    )
-]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 from flows.text_table import text_table
 
 
@@ -34,16 +34,24 @@ def _url_arguments(p) -> None:
     )
 
 
+@command(
+    "store ls",
+    help="list the stores under a folder",
+    arguments=lambda p: p.add_argument(
+        "root", nargs="?", default="data", help="folder to search (default: data)"
+    ),
+    sections=None,
+)
 def run_ls(args, params) -> int:
     """Every store under the folder; a damaged one is listed as such (exit 1), the others
     still are."""
     from features.store.reader import Store, find_stores
     from features.store.spec import StoreError
+    from flows.commands.pull import tree_bytes
 
     rows, damaged = [], []
     for path in find_stores(args.root):
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        size = f"{size / 2**20:.1f} MB"
+        size = f"{tree_bytes(path) / 2**20:.1f} MB"
         try:
             store = Store.open(path, require_complete=False)
         except StoreError as err:
@@ -62,6 +70,15 @@ def run_ls(args, params) -> int:
     return 1 if damaged else 0
 
 
+@command(
+    "store info",
+    help="show how a store was made: kind, fingerprint, inputs, layout",
+    arguments=lambda p: (
+        _url_arguments(p),
+        p.add_argument("--json", action="store_true", help="print JSON instead of YAML"),
+    ),
+    sections=None,
+)
 def run_info(args, params) -> int:
     from features.store.reader import Store
 
@@ -73,6 +90,12 @@ def run_info(args, params) -> int:
     return 0
 
 
+@command(
+    "store verify",
+    help="recompute checksums; name every corrupt or missing file",
+    arguments=_url_arguments,
+    sections=None,
+)
 def run_verify(args, params) -> int:
     from features.store.integrity import verify_store
     from features.store.reader import Store
@@ -111,6 +134,16 @@ def compare_arguments(p) -> None:
     )
 
 
+@command(
+    "store compare",
+    help="largest absolute and relative difference per field of two stores of the "
+    "same samples, and whether within a tolerance",
+    description="Stores made by the same code on any x86-64 CPU are the same bytes; "
+    "one made on a GPU or with another torch version differs in the last bits of its "
+    "floats. Exit 1 if a value is beyond |a - b| <= atol + rtol * |b|.",
+    arguments=compare_arguments,
+    sections=None,
+)
 def run_compare(args, params) -> int:
     """Largest absolute and relative difference per field; exit 1 if one is beyond
     ``atol + rtol * |b|``."""
@@ -159,6 +192,13 @@ def precomp_arguments(p) -> None:
     path_out(p, "--out", help="regions store to write")
 
 
+@command(
+    "store import-precomp",
+    help="import a SCAN/VSE++ precomp folder as a manifest + regions store (params: store)",
+    description="Reads {split}_ims.npy, {split}_caps.txt and {split}_ids.txt if present.",
+    arguments=precomp_arguments,
+    sections=("store",),
+)
 def run_import_precomp(args, params) -> int:
     from features.exchange.precomp import import_precomp
 
@@ -222,6 +262,12 @@ def _import_aligned(args, params, importer, source, what: str, **kwargs) -> int:
     return 0
 
 
+@command(
+    "store import-tsv",
+    help="import bottom-up-attention or obj36 TSV features for a manifest's images (params: store)",
+    arguments=tsv_arguments,
+    sections=("store",),
+)
 def run_import_tsv(args, params) -> int:
     from features.exchange.butd_tsv import import_butd_tsv
 
@@ -234,6 +280,13 @@ def npz_arguments(p) -> None:
     _aligned_arguments(p)
 
 
+@command(
+    "store import-npz",
+    help="import a MILVLG bottom-up-attention.pytorch .npz folder for a manifest's images "
+    "(params: store)",
+    arguments=npz_arguments,
+    sections=("store",),
+)
 def run_import_npz(args, params) -> int:
     from features.exchange.milvlg_npz import import_npz
 
@@ -257,6 +310,12 @@ def _regions_store(args):
     return manifest, Store.open(args.store, kind="regions", manifest_digest=manifest.digest)
 
 
+@command(
+    "store export-precomp",
+    help="export one split of a regions store to the precomp layout",
+    arguments=export_arguments,
+    sections=None,
+)
 def run_export_precomp(args, params) -> int:
     from features.exchange.precomp import export_precomp
 
@@ -273,6 +332,12 @@ def export_tsv_arguments(p) -> None:
     path_out(p, "--out", help="obj36 TSV file to write")
 
 
+@command(
+    "store export-tsv",
+    help="export a regions store as an obj36 TSV file (LXMERT's load_obj_tsv reads it)",
+    arguments=export_tsv_arguments,
+    sections=None,
+)
 def run_export_tsv(args, params) -> int:
     from features.exchange.butd_tsv import export_obj36
 
@@ -285,82 +350,3 @@ def run_export_tsv(args, params) -> int:
             f"{', '.join(skipped[:5])} (Store.notes() says why)"
         )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "store ls",
-        help="list the stores under a folder",
-        arguments=lambda p: p.add_argument(
-            "root", nargs="?", default="data", help="folder to search (default: data)"
-        ),
-        run=run_ls,
-        sections=None,
-    ),
-    Command(
-        "store info",
-        help="show how a store was made: kind, fingerprint, inputs, layout",
-        arguments=lambda p: (
-            _url_arguments(p),
-            p.add_argument("--json", action="store_true", help="print JSON instead of YAML"),
-        ),
-        run=run_info,
-        sections=None,
-    ),
-    Command(
-        "store verify",
-        help="recompute checksums; name every corrupt or missing file",
-        arguments=_url_arguments,
-        run=run_verify,
-        sections=None,
-    ),
-    Command(
-        "store compare",
-        help="largest absolute and relative difference per field of two stores of the "
-        "same samples, and whether within a tolerance",
-        description="Stores made by the same code on any x86-64 CPU are the same bytes; "
-        "one made on a GPU or with another torch version differs in the last bits of its "
-        "floats. Exit 1 if a value is beyond |a - b| <= atol + rtol * |b|.",
-        arguments=compare_arguments,
-        run=run_compare,
-        sections=None,
-    ),
-    Command(
-        "store import-precomp",
-        help="import a SCAN/VSE++ precomp folder as a manifest + regions store (params: store)",
-        description="Reads {split}_ims.npy, {split}_caps.txt and {split}_ids.txt if present.",
-        arguments=precomp_arguments,
-        run=run_import_precomp,
-        sections=("store",),
-    ),
-    Command(
-        "store import-tsv",
-        help="import bottom-up-attention or obj36 TSV features for a manifest's images "
-        "(params: store)",
-        arguments=tsv_arguments,
-        run=run_import_tsv,
-        sections=("store",),
-    ),
-    Command(
-        "store import-npz",
-        help="import a MILVLG bottom-up-attention.pytorch .npz folder for a manifest's images "
-        "(params: store)",
-        arguments=npz_arguments,
-        run=run_import_npz,
-        sections=("store",),
-    ),
-    Command(
-        "store export-tsv",
-        help="export a regions store as an obj36 TSV file (LXMERT's load_obj_tsv reads it)",
-        arguments=export_tsv_arguments,
-        run=run_export_tsv,
-        sections=None,
-    ),
-    Command(
-        "store export-precomp",
-        help="export one split of a regions store to the precomp layout",
-        arguments=export_arguments,
-        run=run_export_precomp,
-        sections=None,
-    ),
-]

@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out
+from flows.commands import command, path_in, path_out
 from infra.files import location
 from models.registry import MODEL_NAMES
 
@@ -91,16 +91,13 @@ def run_train(args, params) -> int:
     return 0
 
 
-COMMANDS = [
-    Command(
+for model in MODEL_NAMES:
+    command(
         f"train {model}",
         help=f"train {model} from the feature stores (params: train, models.{model})",
         description="Reads only the stores the model needs; checkpoints every epoch "
         "(last.pt, resumable with --resume) and keeps the best on validation rsum (best.pt). "
         "Under torchrun it trains with DDP.",
         arguments=lambda p, model=model: (train_arguments(p), p.set_defaults(model=model)),
-        run=run_train,
         sections=("train", "models", "sbert"),
-    )
-    for model in MODEL_NAMES
-]
+    )(run_train)

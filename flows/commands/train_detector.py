@@ -1,11 +1,6 @@
 """``vse train detector`` (stage ``detector``): the bottom-up detector, Faster R-CNN with
-an attribute head (Anderson et al. 2018), whose checkpoint ``regions`` and ``grid`` load.
-
-One of ``--manifest`` (a manifest with boxes: the demo), ``--coco`` (COCO instances JSON,
-optional ``--coco-val``) or ``--vg-objects`` (Visual Genome, optional ``--vg-attributes``)
-gives the boxes; the readers are in :mod:`features.detector.data`, training and the val
-metrics in :mod:`features.detector.train`.
-"""
+an attribute head (Anderson et al. 2018), whose checkpoint ``regions`` and ``grid`` load;
+the box readers are in :mod:`features.detector.data`, training in :mod:`features.detector.train`."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -30,6 +25,15 @@ def arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
 
 
+@command(
+    "train detector",
+    help="train the bottom-up detector: Faster R-CNN + attribute head (params: detector)",
+    description="Trains on the train split, reports mAP@0.5, recall and attribute "
+    "accuracy on val (metrics, per-class AP plot), writes OUT/detector.pt for "
+    "regions.weights and grid.weights; OUT/last.pt every epoch (--resume).",
+    arguments=arguments,
+    sections=("detector",),
+)
 def run(args, params) -> int:
     from features.detector import data as dd
     from features.detector.metrics import plot_ap, write_metrics
@@ -75,17 +79,3 @@ def run(args, params) -> int:
         f"{args.out}, {args.metrics}, {args.plot}"
     )
     return 0
-
-
-COMMANDS = [
-    Command(
-        "train detector",
-        help="train the bottom-up detector: Faster R-CNN + attribute head (params: detector)",
-        description="Trains on the train split, reports mAP@0.5, recall and attribute "
-        "accuracy on val (metrics, per-class AP plot), writes OUT/detector.pt for "
-        "regions.weights and grid.weights; OUT/last.pt every epoch (--resume).",
-        arguments=arguments,
-        run=run,
-        sections=("detector",),
-    )
-]

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from flows.commands import Command, path_in, path_out, progress
+from flows.commands import command, path_in, path_out, progress
 
 
 def arguments(p) -> None:
@@ -25,6 +25,14 @@ def arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue from MODEL/last.pt")
 
 
+@command(
+    "train graph-rise",
+    help="Graph-RISE-style image embedding for HUSE (params: graph_rise)",
+    description="Labels from scene graphs, a caption kNN graph over train images, a 64-d "
+    "head trained with the Neural Graph Machines regulariser; writes a global-kind store.",
+    arguments=arguments,
+    sections=("graph_rise", "store", "sbert"),
+)
 def run(args, params) -> int:
     from features.images.graph_rise.stage import train_graph_rise
     from features.ingest.manifest import read_manifest
@@ -63,16 +71,3 @@ def run(args, params) -> int:
         print(f"graph-rise: {key} {json.dumps({k: round(v, 4) for k, v in metrics[key].items()})}")
     print(f"graph-rise: {time.perf_counter() - start:.1f} s -> {args.out}, {args.metrics}")
     return 0
-
-
-COMMANDS = [
-    Command(
-        "train graph-rise",
-        help="Graph-RISE-style image embedding for HUSE (params: graph_rise)",
-        description="Labels from scene graphs, a caption kNN graph over train images, a 64-d "
-        "head trained with the Neural Graph Machines regulariser; writes a global-kind store.",
-        arguments=arguments,
-        run=run,
-        sections=("graph_rise", "store", "sbert"),
-    )
-]
