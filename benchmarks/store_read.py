@@ -25,7 +25,6 @@ import argparse
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from features.ingest.manifest import Dataset, Record, read_manifest, write_manif
 from features.shards import members
 from features.shards.reader import GroupColumns, read_groups, read_sizes
 from features.shards.writer import ShardsConfig, build_shards
-from features.store.reader import Store
+from features.store.reader import Kept, Store
 from features.store.spec import Provenance, StoreConfig, regions_fields
 from features.store.writer import StoreWriter
 
@@ -180,7 +179,7 @@ def main() -> None:
     def first_read(read) -> int:
         """``read`` as on a shard's first read: mapped, located (and checked) anew; the
         warm readers' maps are kept aside."""
-        kept, members._MAPPED = members._MAPPED, OrderedDict()
+        kept, members._MAPPED = members._MAPPED, Kept(members.MAX_MAPPED)
         try:
             return read()
         finally:

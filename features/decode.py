@@ -13,11 +13,8 @@ Refused with a reason (``BadImage``): an empty file, a file that is not an image
 truncated or corrupt file, an image of more than ``max_pixels`` pixels and one whose
 longer side is more than ``max_aspect_ratio`` times its shorter side (both checked from
 the header, before decoding, so a decompression bomb or a 1 x 10000 sliver costs
-nothing).
-
-Memory per image is bounded by ``max_pixels`` (decoding; a JPEG can also be decoded at a
-reduced scale, ``reduce_to``) and by the output size (:func:`centre_crop_resize` crops
-in source coordinates before resizing, so a sliver is never blown up whole).
+nothing). Memory per image is thus bounded by ``max_pixels`` and, in
+:func:`centre_crop_resize`, by the output size.
 """
 
 from __future__ import annotations
@@ -87,8 +84,7 @@ def load_image(
             raise BadImage("empty_file", f"{path} has 0 bytes")
     except OSError as err:
         raise BadImage("unreadable", f"{path}: {err.strerror or err}") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    with warnings.catch_warnings(action="ignore", category=Image.DecompressionBombWarning):
         try:
             image = Image.open(path)
         except UnidentifiedImageError:

@@ -1,16 +1,12 @@
-"""Importers and exporters for precomputed region features people already have.
+"""SCAN/VSE++ "precomp" folders in and out, and what the other importers share.
 
-- SCAN/VSE++ "precomp" folders: ``{split}_ims.npy`` (N, 36, 2048) float32, ``{split}_caps.txt``
-  (captions_per_image lines per image, in image order) and, optionally, ``{split}_ids.txt``
-  (one id per image, or one per caption). ``_ims.npy`` has one row per image, or one row
-  per caption (the reference loaders' ``im_div = 1``: each image's row repeated for each
-  of its captions), recognised by the repeated rows. Import makes a manifest and a regions
-  store (no boxes: the precomp format has none); export writes one row per image, so
-  numbers can be cross-checked against the reference code bases on identical inputs.
-- bottom-up-attention TSV files (tab-separated ``image_id, image_w, image_h, num_boxes,
-  boxes, features``; boxes and features base64-encoded float32): imported into a regions
-  store aligned with an existing manifest, matched by key or by the trailing integer of
-  the key (COCO file stems end in the image id).
+A precomp split is ``{split}_ims.npy`` (N, 36, 2048) float32, ``{split}_caps.txt``
+(captions_per_image lines per image, in image order) and, optionally, ``{split}_ids.txt``
+(one id per image, or one per caption). ``_ims.npy`` has one row per image, or one row per
+caption (the reference loaders' ``im_div = 1``: each image's row repeated for each of its
+captions), recognised by the repeated rows. Import makes a manifest and a regions store (no
+boxes: the precomp format has none); export writes one row per image, so numbers can be
+cross-checked against the reference code bases on identical inputs.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from features.ingest.manifest import (
     write_manifest,
 )
 from features.ingest.validate import check_key
-from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
+from features.store.spec import FieldSpec, Provenance, StoreConfig, StoreError, regions_fields
 from features.store.writer import StoreWriter
 from infra.config import one_line
 from infra.finite import NON_FINITE, finite_rows
@@ -254,8 +250,6 @@ def _rows(parts: list[np.ndarray], starts: np.ndarray, start: int, stop: int) ->
 
 def store_indices(store, keys: list[str]) -> np.ndarray:
     """The store rows of ``keys``, or a one-line error naming a key the store lacks."""
-    from features.store.spec import StoreError
-
     try:
         return np.array([store.index(key) for key in keys], dtype=np.int64)
     except KeyError as err:

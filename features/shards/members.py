@@ -1,26 +1,22 @@
 """Where each member of a shard lies, and whether it is the member that was built.
 
-The stdlib's :mod:`tarfile` locates the members (it validates every header's checksum and
-reads GNU long names, pax records and base-256 sizes); a local shard's members are then
-sliced from its memory map without a copy, a remote one's read in sequence. What
-``vse shards build`` recorded in ``sizes.json`` for the shard (its bytes and, in order, each
-member's name, size and CRC-32C) is checked as the members are read: a damaged header ends
-the tar early for :mod:`tarfile`, so it is a missing member here, as is a cut tar; damaged
-data fail their CRC-32C (a local shard's once, the first time it is mapped; a remote one's
-on every read). Every failure is one :class:`StoreError` line naming the shard,
-the member and what to do.
+The stdlib's :mod:`tarfile` locates the members (header checksums, long names, pax records,
+base-256 sizes); a local shard's members are sliced from its memory map, a remote one's read
+in sequence. Each is checked against what ``sizes.json`` recorded (name, size, CRC-32C, in
+order): a damaged header or a cut tar is a missing member, damaged data fail their CRC-32C.
+Every failure is one :class:`StoreError` line naming the shard, the member and what to do.
 """
 
 from __future__ import annotations
 
 import mmap
 import tarfile
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from features.store.integrity import file_checksum
+from features.store.reader import Kept
 from features.store.spec import StoreError
 from infra.files import is_url
 
@@ -127,26 +123,26 @@ class Mapped:
     verified: list | None = None
 
 
-_MAPPED: OrderedDict = OrderedDict()  # local shards stay mapped (and checked) between epochs
-
-
 MAX_MAPPED = 1024
 
 
+_MAPPED = Kept(MAX_MAPPED)  # local shards stay mapped (and checked) between epochs
+
+
 def _mapped(path: str, url: str) -> Mapped:
-    """The local tar ``path`` located and mapped, kept while the file is unchanged: its
-    pages are mapped once, not faulted in again every epoch (populated: the kernel maps
-    every page of the file at once, cheaper than faulting them in one by one), and its
-    members' CRC-32C are checked once, the first time it is read (checking them on every
-    read costs half of streaming's throughput, by benchmarks/store_read.py)."""
+    """The local tar ``path`` located and mapped (populated: every page at once), kept while
+    the file is unchanged, so that its members' CRC-32C are checked once, the first time it
+    is read (on every read they cost half of streaming's throughput, by
+    benchmarks/store_read.py)."""
     try:
         stat = Path(path).stat()
     except FileNotFoundError:
         raise StoreError(f"{url}: missing; {REBUILD}") from None
     key = (path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    if key in _MAPPED:
-        _MAPPED.move_to_end(key)
-        return _MAPPED[key]
+    return _MAPPED(key, lambda: _map(path, stat.st_size))
+
+
+def _map(path: str, size: int) -> Mapped:
     found, error = [], None
     with open(path, "rb") as f:
         try:
@@ -157,10 +153,7 @@ def _mapped(path: str, url: str) -> Mapped:
         except tarfile.TarError as err:
             error = str(err)
         view = memoryview(b"")
-        if stat.st_size:
+        if size:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
-    if len(_MAPPED) >= MAX_MAPPED:
-        _MAPPED.popitem(last=False)
-    _MAPPED[key] = Mapped(view, found, error)
-    return _MAPPED[key]
+    return Mapped(view, found, error)

@@ -39,36 +39,29 @@ class FieldDiff:
         return {**asdict(self), "identical": self.identical}
 
 
-@dataclass
-class _Running:
-    """The statistics of a field merged over blocks of samples."""
-
-    values: int = 0
-    differing: int = 0
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    within: bool = True
-
-    def add(self, a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> None:
+def _diff(name: str, dtype: str, blocks, atol: float, rtol: float) -> FieldDiff:
+    """The statistics of a field over ``blocks`` of ``(a, b)`` values."""
+    values = differing = 0
+    max_abs = max_rel = 0.0
+    within = True
+    for a, b in blocks:
         a, b = np.asarray(a), np.asarray(b)
-        self.values += a.size
+        values += a.size
         if not a.size:
-            return
+            continue
         width = a.dtype.itemsize
         raw = (a != b) if a.dtype.kind == "b" else a.view(f"u{width}") != b.view(f"u{width}")
-        self.differing += int(raw.sum())
+        differing += int(raw.sum())
         x, y = a.astype(np.float64), b.astype(np.float64)
         same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal values (0.0 and -0.0 too)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             diff = np.where(same, 0.0, np.abs(x - y))
             diff = np.where(np.isnan(diff), np.inf, diff)  # NaN against a number
             rel = np.where(diff == 0, 0.0, diff / np.abs(y))  # b = 0 != a: inf
-        self.max_abs = max(self.max_abs, float(diff.max()))
-        self.max_rel = max(self.max_rel, float(np.where(np.isnan(rel), np.inf, rel).max()))
-        self.within &= bool((diff <= atol + rtol * np.abs(y)).all())
-
-    def result(self, name: str, dtype: str) -> FieldDiff:
-        return FieldDiff(name, dtype, **asdict(self))
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float(np.where(np.isnan(rel), np.inf, rel).max()))
+        within &= bool((diff <= atol + rtol * np.abs(y)).all())
+    return FieldDiff(name, dtype, values, differing, max_abs, max_rel, within)
 
 
 def _check_comparable(a: Store, b: Store, fields: Sequence[str] | None) -> list[str]:
@@ -145,12 +138,7 @@ def compare_stores(
     """Every field of ``a`` and ``b`` (or those named), then their store-level arrays
     (named ``extra:<name>``), compared value by value (see the module docstring)."""
     names = _check_comparable(a, b, fields)
-    out = []
-    for name in names:
-        running = _Running()
-        for x, y in _blocks(a, b, name):
-            running.add(x, y, atol, rtol)
-        out.append(running.result(name, a.fields[name].dtype))
+    out = [_diff(name, a.fields[name].dtype, _blocks(a, b, name), atol, rtol) for name in names]
     if fields:
         return out
     extras_a, extras_b = set(a.attrs.get("extras", {})), set(b.attrs.get("extras", {}))
@@ -166,7 +154,5 @@ def compare_stores(
                 f"{b.url}: store-level array {name!r} is {y.dtype} {y.shape}, in {a.url} "
                 f"{x.dtype} {x.shape}; only arrays of one shape and dtype compare"
             )
-        running = _Running()
-        running.add(x, y, atol, rtol)
-        out.append(running.result(f"extra:{name}", str(x.dtype)))
+        out.append(_diff(f"extra:{name}", str(x.dtype), [(x, y)], atol, rtol))
     return out

@@ -107,23 +107,38 @@ def local_fs(path: Path):
     return fsspec.filesystem("file"), str(Path(path).absolute())
 
 
+def _is_writers_file(rel: str) -> bool:
+    """Whether a store's file (relative name) is a writer's lock or temporary file."""
+    return rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or is_temp(rel.rsplit("/", 1)[-1])
+
+
 def store_files(path: Path) -> Iterator[tuple[str, Path]]:
     """``(relative name, path)`` of every file of a local store but writers' lock and
     temporary files."""
     for file in sorted(path.rglob("*")):
         rel = file.relative_to(path).as_posix()
-        if file.is_file() and not (
-            rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or is_temp(file.name)
-        ):
+        if file.is_file() and not _is_writers_file(rel):
             yield rel, file
+
+
+def recorded_files(markers, attrs: dict) -> dict[str, str]:
+    """The checksums that commit markers (dicts; None: uncommitted) and the store's
+    attributes (store-level arrays) record, by file; later shards' final ragged files win."""
+    files: dict[str, str] = {}
+    for marker in markers:
+        if marker is not None:
+            files.update(marker["files"])
+    extras, names = attrs.get("extras", {}), attrs.get("extras_files", {})
+    if isinstance(extras, dict) and isinstance(names, dict):
+        files.update({names[k]: v for k, v in extras.items() if k in names})
+    return files
 
 
 def _commit_markers(url: str, storage_options, n_shards: int | None, problems: list) -> list:
     """Each shard's commit marker (a dict, or None if uncommitted); a damaged one is
     named in ``problems`` and counts as uncommitted."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             commits = zarr.open_array(
                 f"{url.rstrip('/')}/{COMMITS}", mode="r", storage_options=storage_options
             )
@@ -133,8 +148,7 @@ def _commit_markers(url: str, storage_options, n_shards: int | None, problems: l
     markers = []
     for k in range(commits.shape[0] if n_shards is None else n_shards):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(action="ignore"):
                 text = str(commits[k : k + 1][0])
             marker = json.loads(text) if text else None
             if marker is not None and not isinstance(marker.get("files"), dict):
@@ -166,14 +180,10 @@ def verify_store(url: str | Path, storage_options: dict | None = None) -> list[s
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
     try:
-        present = {
-            p[len(root) + 1 :]
-            for p in fs.find(root)
-            if not is_temp(p.rsplit("/", 1)[-1]) and p[len(root) + 1 :] not in (LOCK,)
-        }
+        found = [p[len(root) + 1 :] for p in fs.find(root)]
     except FileNotFoundError:
-        present = set()
-    present = {p for p in present if not p.startswith(SHARD_LOCKS + "/")}
+        found = []
+    present = {rel for rel in found if not _is_writers_file(rel)}
     if not present:
         raise StoreError(f"{url}: no such store (no files there); check the path")
     files, why = read_checksums(fs, root)
@@ -199,13 +209,7 @@ def verify_store(url: str | Path, storage_options: dict | None = None) -> list[s
                 "the store"
             )
         n_shards = attrs.get("n_shards") if isinstance(attrs.get("n_shards"), int) else None
-        expected = {}
-        for marker in _commit_markers(url, storage_options, n_shards, problems):
-            if marker is not None:
-                expected.update(marker["files"])  # later shards: final ragged checksums
-        extras, names = attrs.get("extras", {}), attrs.get("extras_files", {})
-        if isinstance(extras, dict) and isinstance(names, dict):
-            expected.update({names[k]: v for k, v in extras.items() if k in names})
+        expected = recorded_files(_commit_markers(url, storage_options, n_shards, problems), attrs)
     for rel, digest in sorted(expected.items()):
         try:
             data = fs.cat_file(f"{root}/{rel}")

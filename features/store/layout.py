@@ -38,8 +38,7 @@ def chunk_key(field_name: str, index: int, ndim: int, separator: str = SEPARATOR
     return f"{field_name}/" + separator.join(["c", str(index)] + ["0"] * (ndim - 1))
 
 
-def flat_keys() -> dict:
-    return {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
+FLAT_KEYS = {"chunk_key_encoding": {"name": "default", "separator": SEPARATOR}}
 
 
 # Every codec of every array, pinned (none left to Zarr's defaults, which may change): the

@@ -87,8 +87,7 @@ def _open_group(url: str | Path, storage_options: dict | None = None):
 
         require_extra("s3fs", "s3", f"reading {url}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             group = zarr.open_group(url, mode="r", storage_options=storage_options)
             attrs = dict(group.attrs["vse"])
     except (FileNotFoundError, KeyError) as err:
@@ -127,8 +126,7 @@ class Store:
     _memory: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     _arrays: dict = field(default_factory=dict, repr=False)
     _geometries: dict[str, Geometry] = field(default_factory=dict, repr=False)
-    # mapped shard files and their indexes; their rows as views; chunks read through Zarr
-    _mapped_files: Kept = field(default_factory=lambda: Kept(MAX_MAPS), repr=False)
+    # shard files' rows as views of their mappings; chunks read through Zarr
     _shard_views: Kept = field(default_factory=lambda: Kept(MAX_MAPS), repr=False)
     _zarr_chunks: Kept = field(default_factory=lambda: Kept(CACHED_CHUNKS), repr=False)
 
@@ -145,8 +143,7 @@ class Store:
     ) -> Store:
         group, attrs = _open_group(url, storage_options)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(action="ignore"):
                 markers = group[COMMITS][:]
             committed = np.array([bool(m) for m in markers], dtype=bool)
             store = cls(str(url), group, attrs, committed, storage_options)
@@ -241,13 +238,12 @@ class Store:
 
     # -- reading
 
-    def _check_committed(self, start: int, stop: int) -> None:
-        shards = range(start // self.samples_per_shard, -(-stop // self.samples_per_shard))
-        missing = [k for k in shards if not self.committed[k]]
+    def _check_committed(self, shards: np.ndarray) -> None:
+        missing = sorted({int(k) for k in shards[~self.committed[shards]]})
         if missing:
             raise StoreError(
-                f"{self.url}: samples {start}:{stop} lie in uncommitted shard(s) {missing}; "
-                "rerun the extraction to finish the store"
+                f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
+                "extraction to finish the store"
             )
 
     def _checked(self, indices: Sequence[int]) -> np.ndarray:
@@ -256,13 +252,7 @@ class Store:
         if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
             bad = indices[(indices < 0) | (indices >= len(self))][0]
             raise IndexError(f"{self.url}: index {bad} out of range for {len(self)} samples")
-        shards = indices // self.samples_per_shard
-        if len(indices) and not self.committed[shards].all():
-            missing = sorted({int(k) for k in shards[~self.committed[shards]]})
-            raise StoreError(
-                f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
-                "extraction to finish the store"
-            )
+        self._check_committed(indices // self.samples_per_shard)
         return indices
 
     def offsets(self, name: str) -> np.ndarray:
@@ -280,7 +270,8 @@ class Store:
         With ``copy=False`` dense fields of a local, uncompressed store may come back as
         read-only views of the memory-mapped shard files.
         """
-        self._check_committed(start, stop)
+        per_shard = self.samples_per_shard
+        self._check_committed(np.arange(start // per_shard, -(-stop // per_shard)))
         out: dict[str, Any] = {}
         for name in fields or self.fields:
             spec = self.fields[name]
@@ -300,20 +291,6 @@ class Store:
     def _mappable(self) -> bool:
         """Local and uncompressed: chunks are raw bytes at offsets in the shard files."""
         return self.attrs["layout"]["compression"] == "none" and not is_url(self.url)
-
-    def _mapped_file(self, name: str, shard: int) -> tuple[np.memmap, np.ndarray]:
-        """Shard file ``shard`` (along axis 0) of array ``name`` (a field, or a ragged
-        field's rows) mapped into memory, and its index: (offset, nbytes) per chunk; kept
-        (each mapping holds a file descriptor)."""
-
-        def open_file():
-            geometry = self._geometry(name)
-            separator = self.attrs["layout"].get("chunk_key_separator", "/")
-            rel = chunk_key(name, shard, len(geometry.shape), separator)
-            data = np.memmap(Path(self.url) / rel, np.uint8, "r")
-            return data, shard_index(data, geometry.shard_rows // geometry.chunk_rows)
-
-        return self._mapped_files((name, shard), open_file)
 
     def _mapped_slice(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of array ``name`` from its mapped shard files (a view when
@@ -346,13 +323,17 @@ class Store:
         return self._geometries[name]
 
     def _shard_rows(self, name: str, k: int) -> np.ndarray:
-        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` as one array
-        (kept): a view of its memory-mapped shard file when its chunks lie back to back in
-        order (what the writer and Zarr produce), else read through Zarr."""
+        """Rows ``k * shard_rows:(k + 1) * shard_rows`` of array ``name`` (a field, or a
+        ragged field's rows) as one array, kept (a mapping holds a file descriptor): a view
+        of its memory-mapped shard file when its chunks lie back to back in order (what the
+        writer and Zarr produce), else read through Zarr."""
 
         def view():
             shape, chunk_rows, shard_rows, dtype = self._geometry(name)
-            data, index = self._mapped_file(name, k)
+            separator = self.attrs["layout"].get("chunk_key_separator", "/")
+            rel = chunk_key(name, k, len(shape), separator)
+            data = np.memmap(Path(self.url) / rel, np.uint8, "r")
+            index = shard_index(data, shard_rows // chunk_rows)
             rows = min(shape[0], (k + 1) * shard_rows) - k * shard_rows
             mapped = contiguous_rows(data, index, rows, chunk_rows, shape[1:], dtype)
             return self._zarr_rows(name, k, shard_rows) if mapped is None else mapped
@@ -446,11 +427,7 @@ class Store:
         """Picklable (e.g. for data-loading worker processes): handles are reopened."""
         state = dict(self.__dict__)
         state.update(group=None, _key_index=None, _memory={}, _arrays={})
-        state.update(
-            _mapped_files=Kept(MAX_MAPS),
-            _shard_views=Kept(MAX_MAPS),
-            _zarr_chunks=Kept(CACHED_CHUNKS),
-        )
+        state.update(_shard_views=Kept(MAX_MAPS), _zarr_chunks=Kept(CACHED_CHUNKS))
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -1,10 +1,5 @@
 """A dense store written straight to object storage (``s3://``, any fsspec URL) by several
-writers at once, on several hosts, with no lock.
-
-The local writer (:mod:`features.store.writer`) excludes writers with ``flock`` and
-publishes with ``rename``; neither exists on S3, and an ``flock`` does not cross hosts. Here
-each writer stages its files under a name of its own and the store keeps the first
-*committed* copy of each shard, decided by one conditional PUT (``If-None-Match: *``)::
+writers at once, on several hosts, with no lock (S3 has neither ``flock`` nor ``rename``)::
 
     <url>/                              the store: created as an empty skeleton (metadata,
                                         keys, no commit markers), filled at finalization
@@ -14,25 +9,17 @@ each writer stages its files under a name of its own and the store keeps the fir
 
 1. One coordinator creates the skeleton, or resumes it (same fingerprint, layout and
    samples), or keeps a complete store made from the same inputs.
-2. A writer computes a shard locally, uploads its files under its own name, then creates
-   the shard's claim if no claim exists. The first claim wins; a writer whose claim is
-   refused deletes its staged files. So no shard mixes two writers' files, nothing is
-   lost or kept twice, and a writer that was cut off and finishes later (a zombie, whose
-   task Dask already gave to another worker) can only lose.
-3. Once every shard is claimed, the coordinator copies each winner's files into place
-   (server-side), writes the commit markers, marks the store complete, writes the checksum
-   manifest last, then deletes the staging prefix.
+2. A writer stages a shard's files under its own name, then claims the shard with one
+   conditional PUT (``If-None-Match: *``): the first claim wins, a refused writer deletes
+   its staged files, so a zombie writer that finishes late can only lose.
+3. Once every shard is claimed, the coordinator copies each winner's files into place,
+   writes the commit markers, marks the store complete, writes the checksum manifest last,
+   then deletes the staging prefix.
 
-Nothing half-written is ever committed: a reader refuses the store until every marker is
-written (after every file is in place), and a staged file belongs to no store. A writer
-killed, or an endpoint lost, in the middle of a shard leaves only staged files under its
-own name, which the rerun's coordinator deletes. The finished store is byte for byte the
-store a local writer makes from the same inputs.
-
-Unlike a local store, a store rebuilt over an older one at the same URL is not replaced in
-one step: the old store is deleted first (S3 has no rename), so readers are refused while
-it is rebuilt. Ragged fields (each shard's rows after the previous shard's) need the
-shards in order from one writer: write those stores locally and push them (``dvc push``).
+A killed writer leaves only staged files under its own name, which the rerun's coordinator
+deletes. The finished store is byte for byte the store a local writer makes from the same
+inputs. A store rebuilt at the same URL is deleted first (readers are refused meanwhile).
+Ragged fields need the shards in order from one writer: write those stores locally, then push.
 """
 
 from __future__ import annotations
@@ -49,7 +36,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from features.store.integrity import checksums_text, file_checksum, read_checksums
+from features.store.integrity import checksums_text, file_checksum, read_checksums, recorded_files
 from features.store.layout import (
     CHECKSUMS,
     CHECKSUMS_CHUNK,
@@ -136,7 +123,7 @@ class RemoteStoreWriter:
                 "writer; write this store to a local path, then push it (dvc push)"
             )
         existing = self._remote_attrs()
-        same = existing is not None and self.scratch._same_store(existing)
+        same = existing is not None and self.scratch._difference(existing) is None
         if self.coordinator and same and existing.get("complete"):
             if read_checksums(self.fs, self.root)[0] is not None:
                 self.reused, self.committed = True, set(self.only)
@@ -275,9 +262,7 @@ class RemoteStoreWriter:
         manifest = group.create_array(
             CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
         )
-        files: dict[str, str] = {}
-        for marker in markers:
-            files.update(json.loads(marker)["files"])
+        files = recorded_files([json.loads(marker) for marker in markers], {})
         self.fs.invalidate_cache(self.root)
         for path in self.fs.find(self.root):
             rel = path[len(self.root) + 1 :]

@@ -18,6 +18,7 @@ from features.store.integrity import (
     file_checksum,
     local_fs,
     read_checksums,
+    recorded_files,
     store_files,
 )
 from features.store.layout import (
@@ -25,6 +26,7 @@ from features.store.layout import (
     CHECKSUMS_CHUNK,
     COMMITS,
     EXTRAS,
+    FLAT_KEYS,
     LOCK,
     MANIFEST,
     SEPARATOR,
@@ -32,7 +34,6 @@ from features.store.layout import (
     STRINGS,
     chunk_key,
     field_codecs,
-    flat_keys,
     incomplete_path,
     is_temp,
     write_every_chunk,
@@ -54,11 +55,8 @@ class StoreWriter:
     """Create or resume a store and commit it shard by shard.
 
     The store is built in ``<path>.incomplete`` and moved to ``path`` when its last shard
-    is committed. A run killed at any moment leaves ``path`` untouched; a rerun resumes the
-    incomplete store from its committed shards, or starts it over if it was made from
-    other inputs or is damaged (it is this writer's own folder). The outputs of a DVC
-    stage are thus never partial, so no stage needs ``persist`` (which would cost it its
-    run-cache entry).
+    is committed. A rerun resumes the incomplete store from its committed shards, or starts
+    it over if it was made from other inputs or is damaged (it is this writer's own folder).
 
     ``keys`` fixes the samples and their order up front (from the manifest). Dense shards
     can be committed in any order; a store with ragged fields commits in order, because
@@ -92,6 +90,7 @@ class StoreWriter:
         self.cfg = cfg = cfg or StoreConfig()
         self.fingerprint = provenance.fingerprint(kind, self.fields)
         self.n_shards = -(-self.n // cfg.samples_per_shard)
+        self.only = list(range(self.n_shards))  # the shards this writer writes
         self.log = log
         self._lock_file = None
         self.reused = False  # the complete store at `target` was made from the same inputs
@@ -129,14 +128,16 @@ class StoreWriter:
         # no shard writer can hold a lock while we hold .lock exclusively
         shutil.rmtree(self.path / SHARD_LOCKS, ignore_errors=True)
         existing = self._existing_attrs()
-        if existing is not None and not self._same_store(existing):
+        if existing is not None and self._difference(existing):
             self.log(
                 f"store {self.target}: the incomplete store was made from other inputs or "
                 f"with another layout ({self._difference(existing)}); starting it over"
             )
             existing = None
         if existing is None:
-            self._clear()
+            for child in self.path.iterdir():
+                if child.name != LOCK:
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
             self._create()
         self._open_group()
         markers = self.commits[:]
@@ -220,9 +221,6 @@ class StoreWriter:
                 return f"{name} {found} != {value}"
         return None
 
-    def _same_store(self, attrs: dict) -> bool:
-        return self._difference(attrs) is None
-
     def _target_is_this_store(self) -> bool:
         """Whether ``target`` holds a complete store made from the same inputs."""
         try:
@@ -231,13 +229,7 @@ class StoreWriter:
             return False
         if read_checksums(*local_fs(self.target))[0] is None:
             return False  # no checksum manifest (damaged, or made by an older version)
-        return bool(attrs.get("complete")) and self._same_store(attrs)
-
-    def _clear(self) -> None:
-        for child in self.path.iterdir():
-            if child.name == LOCK:
-                continue
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return bool(attrs.get("complete")) and self._difference(attrs) is None
 
     def _create(self) -> None:
         """The empty store: attributes, keys and field arrays, then the commit markers'
@@ -256,7 +248,7 @@ class StoreWriter:
             "complete": False,
         }
         keys = group.create_array(
-            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **STRINGS, **flat_keys()
+            "keys", shape=(self.n,), chunks=(max(self.n, 1),), dtype=str, **STRINGS, **FLAT_KEYS
         )
         if self.n:
             keys[:] = np.asarray(self.keys, dtype=object)
@@ -273,7 +265,7 @@ class StoreWriter:
                     dtype=spec.dtype,
                     fill_value=0,
                     **field_codecs(cfg, (rows_chunk, *spec.shape)),
-                    **flat_keys(),
+                    **FLAT_KEYS,
                 )
                 name, spec = f"{name}_offsets", FieldSpec((), "int64")
             group.create_array(
@@ -283,23 +275,14 @@ class StoreWriter:
                 dtype=spec.dtype,
                 fill_value=0,
                 **field_codecs(cfg, (chunk, *spec.shape)),
-                **flat_keys(),
+                **FLAT_KEYS,
             )
         group.create_array(
-            COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **STRINGS, **flat_keys()
+            COMMITS, shape=(self.n_shards,), chunks=(1,), dtype=str, **STRINGS, **FLAT_KEYS
         )
 
     def _ragged_names(self) -> list[str]:
         return [name for name, spec in self.fields.items() if spec.ragged]
-
-    def _rows_committed(self, markers) -> dict[str, int]:
-        """Rows of each ragged field up to the first uncommitted shard."""
-        rows = {name: 0 for name in self._ragged_names()}
-        for marker in markers:
-            if not marker:
-                break
-            rows.update({k: v[1] for k, v in json.loads(marker)["rows"].items()})
-        return rows
 
     def _truncate_ragged(self, markers) -> None:
         """Make ragged arrays look exactly as they did after the last in-order commit.
@@ -313,7 +296,10 @@ class StoreWriter:
             if markers[k]:
                 self.commits[k] = ""
                 self.committed.discard(k)
-        for name, rows in self._rows_committed(markers).items():
+        committed_rows = {name: 0 for name in self._ragged_names()}
+        for marker in markers[:first_gap]:
+            committed_rows.update({k: v[1] for k, v in json.loads(marker)["rows"].items()})
+        for name, rows in committed_rows.items():
             array = self._arrays[name]
             if array.shape[0] == rows:
                 continue
@@ -333,8 +319,8 @@ class StoreWriter:
         return start, min(start + self.cfg.samples_per_shard, self.n)
 
     def pending_shards(self) -> list[int]:
-        """Uncommitted shards, in order."""
-        return [k for k in range(self.n_shards) if k not in self.committed]
+        """This writer's uncommitted shards, in order."""
+        return [k for k in self.only if k not in self.committed]
 
     def write_shard(
         self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
@@ -482,12 +468,8 @@ class StoreWriter:
         """The checksum manifest: every file of the finalized store. Chunks keep the
         checksums their commit markers recorded (so damage after a commit still shows);
         the rest (metadata, keys, markers, extras) are checksummed now (CRC-32C)."""
-        files: dict[str, str] = {}
-        for marker in self.commits[:]:
-            files.update(json.loads(marker)["files"])  # later shards: final ragged files
-        attrs = self.group.attrs["vse"]
-        for name, digest in attrs.get("extras", {}).items():
-            files[attrs["extras_files"][name]] = digest
+        markers = [json.loads(marker) for marker in self.commits[:]]
+        files = recorded_files(markers, self.group.attrs["vse"])
         manifest = self.group.create_array(
             CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
         )
@@ -563,10 +545,6 @@ class ShardWriter(StoreWriter):
             release(handle)
         self._shard_lock_files = []
         self._release_lock()
-
-    def pending_shards(self) -> list[int]:
-        """This writer's uncommitted shards, in order."""
-        return [k for k in self.only if k not in self.committed]
 
     def _write_shard(self, shard: int, data: Mapping[str, Any], notes: dict) -> None:
         check_own_shard(self.path, shard, self.only)
