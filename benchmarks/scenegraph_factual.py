@@ -108,7 +108,7 @@ def main() -> None:
             predicted_raw(r)
             for r in parse_captions(
                 nlp, list(map(str, range(len(rows)))), captions, edges=args.edges
-            )
+            )[0]
         ]
         sng = sng_graphs(captions, nlp)
         results, errors = {}, {}

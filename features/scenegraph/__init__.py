@@ -51,17 +51,10 @@ Relations: (subject, predicate, object), predicate as lemmas
 Verb lemmas are checked against the verb's spelling: "riding" is "ride", not the rule
 lemmatizer's "rid", which would double its consonant (:func:`verb_lemma`).
 
-A few parser errors that are frequent on captions are repaired before the rules run
-(:meth:`Parser._repair`): an -ing participle tagged as a noun heading the real noun ("a
-zebra grazing on the grass"), right-headed noun compounds parsed left-headed ("fire
-hydrant"), subjects attached to an auxiliary or labelled as a verb's compound, a noun
-conjoined with a verb ("holds a baby and smiles"), "X with A and B" lists and parallel
-"X with A and Y with B". All-capital and Title Case captions are parsed lower-cased
+Parser errors frequent on captions are repaired before the rules run
+(:meth:`Parser._repair`). All-capital and Title Case captions are parsed lower-cased
 (:func:`normalise_case`), and a caption that starts with a noun without an article ("bear
 lies on ground", a region caption) is parsed with "the " before it
-(:func:`features.scenegraph.learned.caption_text`).
-
-The stage (:mod:`features.scenegraph.stage`; its folder: :mod:`features.scenegraph.files`)
-loads only the components the rules read, parses in batches (``nlp.pipe``, optionally in
-worker processes) and keeps its throughput out of its outputs.
+(:func:`features.scenegraph.learned.caption_text`). The stage:
+:mod:`features.scenegraph.stage`; its folder: :mod:`features.scenegraph.files`.
 """

@@ -1,12 +1,7 @@
 """Text-domain adversarial captions (UniVSE 4.2, following VSE-C): for each real caption,
-fake captions that no longer match the image, made by editing its scene graph.
-
-- object attack: replace an object noun by one that appears in none of the image's
-  captions (or append such an object when the caption has none);
-- attribute attack: replace an attribute by one the image's captions never use (or add
-  one before an object noun);
-- relation attack: replace the relation by one the image's captions never use (or attach
-  a new relation and object to an object).
+fake captions that no longer match the image, made by editing its scene graph. Each attack
+(object, attribute, relation) replaces one of the caption's by one that none of the image's
+captions use, or adds one where the caption has none (:func:`_attack`).
 
 Each fake caption keeps a scene graph edited the same way, so models that read scene
 graphs (UniVSE) see a consistent input. Vocabularies are the train split's
@@ -58,7 +53,10 @@ def _image_concepts(graphs: Sequence[dict]) -> dict[str, set[str]]:
 
 
 def _attack(attack: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[str, dict] | None:
-    """One fake caption and its scene graph, or None when this try found no edit."""
+    """One fake caption and its scene graph, or None when this try found no edit: a new
+    object noun replaces one (or is appended: "... and a <noun>"), a new attribute replaces
+    one (or is put before an object's name), a new relation replaces one written as a phrase
+    in the caption (or attaches a new object to one: "... <relation> a <noun>")."""
     graph = {k: copy.deepcopy(row[k]) for k in ("objects", "attributes", "relations")}
     text = row["caption"]
 

@@ -90,15 +90,10 @@ class _Builder(Gaps, Placing):
                 words = self._name(t) if t.kids else [t.i]
                 self.index[t.i] = len(objects)
                 self.name_words[t.i] = words
-                objects.append(
-                    {
-                        "span": " ".join(toks[w].text for w in words),
-                        "head": t.text,
-                        "lemma": " ".join(
-                            toks[w].lemma if toks[w].pos in NOUNS else toks[w].text for w in words
-                        ),
-                    }
-                )
+                name = [toks[w] for w in words]
+                span = " ".join(w.text for w in name)
+                lemma = " ".join(w.lemma if w.pos in NOUNS else w.text for w in name)
+                objects.append({"span": span, "head": t.text, "lemma": lemma})
         for t in toks:
             if t.i in self.index:
                 if t.kids:
@@ -119,10 +114,8 @@ class _Builder(Gaps, Placing):
                     self._verb_object(t)
                 elif t.dep == "relcl":
                     self._gapped_object(t)
-            if "poss" in t.kids and t.i in self.index:
-                for owner in t.kids["poss"]:
-                    if owner.i in self.index:
-                        self._add(owner.i, [], t.i, fixed=("have", "have"))
+            for owner in t.kids.get("poss", ()):  # "a man's hand": (man, have, hand)
+                self._add(owner.i, [], t.i, fixed=("have", "have"))
         if self.located:  # "a building with a clock on it": (clock, on, building) says it
             self.graph.relations = [
                 r
@@ -189,9 +182,8 @@ class _Builder(Gaps, Placing):
         return None
 
     def _is_frame(self, t: _Tok) -> bool:
-        if t.lemma in FRAME_NOUNS or t.text == "close":
-            return t.dep in ("ROOT", "attr") and self._of(t) is not None
-        return False
+        frame = t.lemma in FRAME_NOUNS or t.text == "close"
+        return frame and t.dep in ("ROOT", "attr") and self._of(t) is not None
 
     def _is_quantity(self, t: _Tok) -> bool:
         return t.text in QUANTITY_NOUNS and self._of(t) is not None
@@ -373,9 +365,7 @@ class _Builder(Gaps, Placing):
         if not objects or self._children(verb, "nsubjpass"):
             return
         words = [verb, *self._particles(verb)]
-        for s in self._subjects(verb):
-            for o in objects:
-                self._add(s, words, o)
+        self._add_targets(self._subjects(verb), [(words, o) for o in objects])
 
     def _prepositional(self, prep: _Tok) -> None:
         toks = self.toks
@@ -470,10 +460,8 @@ class _Builder(Gaps, Placing):
 
     def _verb_prepositional(self, verb: _Tok, prep: _Tok, words, targets) -> None:
         if prep.dep == "agent":  # passive: "played by a woman", "a field surrounded by trees"
-            patients = self._subjects(verb)
-            for _phrase, agent in targets:
-                for patient in patients:
-                    self._add(agent, [verb], patient)
+            patients = [([verb], p) for p in self._subjects(verb)]
+            self._add_targets([agent for _, agent in targets], patients)
             return
         subjects = self._subjects(verb)
         verb_words: list[_Tok] = []

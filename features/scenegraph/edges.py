@@ -1,28 +1,20 @@
 """A learned edge model run after the rules: which (subject, object) pairs of the rules'
 objects are related and by which predicate, and which modifier words are attributes of
 which object, in the conventions of FACTUAL's human-annotated graphs (Li et al. 2023;
-trained on its 37k random-split training graphs by :mod:`features.scenegraph.train_edges`).
+trained by :mod:`features.scenegraph.train_edges`).
 
 Not from a paper: a small feed-forward scorer (:class:`Scorer`) over what spaCy has already
-computed, so the stage needs no second encoder: the ``doc.tensor`` rows (the ``tok2vec``
-output, 96 wide in ``en_core_web_sm``) of the candidate's two tokens and of the second's
-head, and embeddings of discrete features (:func:`relation_inputs`,
-:func:`attribute_inputs`: lemmas, tags, dependency labels and path, signed distance, the
-rules' own decision, the bag of words between the tokens).
+computed, so the stage needs no second encoder: the ``doc.tensor`` rows (``tok2vec``, 96
+wide in ``en_core_web_sm``) of the candidate's two tokens and of the second's head, and
+embeddings of discrete features (:func:`relation_inputs`, :func:`attribute_inputs`).
+Relations: a softmax over ``none``, ``other`` and the predicate vocabulary for every ordered
+pair of object heads, taken where it clears its gate (:attr:`EdgeModel.confidence`).
+Attributes: a logistic margin per (modifier, object head), to drop or add one
+(:attr:`EdgeModel.threshold`). The policy: :meth:`EdgeModel._relations`,
+:meth:`EdgeModel._attributes`.
 
-Relations: a softmax over ``none``, ``other`` (a predicate under the vocabulary's floor) and
-the predicate vocabulary, for every ordered pair of object heads. Where the model's choice
-clears its gate (:attr:`EdgeModel.confidence`: to add, drop or change a relation), ``none``
-drops the rules' relations of the pair and a predicate replaces them, unless a rules'
-relation says the same in the convention-neutral reading
-(:func:`features.scenegraph.factual.neutral_predicate`); elsewhere, and for ``other``, the
-rules' relations stand. Attributes: a logistic margin for every (modifier, object head)
-pair; a rules' attribute is dropped below one margin, a new one added above another
-(:attr:`EdgeModel.threshold`); the rules' attributes whose word is no candidate stay.
-
-The weights (:data:`WEIGHTS`, one ``.npz`` shipped with the package) are used only with the
-spaCy pipeline they were trained on (name, version and tensor width), else the rules' graph
-stands unchanged. Inference is numpy only.
+The weights (:data:`WEIGHTS`) are used only with the spaCy pipeline they were trained on
+(name, version and tensor width), else the rules' graph stands. Inference is numpy only.
 """
 
 from __future__ import annotations
@@ -114,10 +106,15 @@ def relation_inputs(toks, chains, heads: list[int], index: dict, relations) -> l
 
 def attribute_inputs(toks, chains, heads, index: dict, name_words: dict, attributes):
     """((modifier token, object head), features, bag of words between them) of every
-    attribute candidate (:func:`attribute_candidates`) and object head; ``attributes``: the
-    rules' (as JSON), whether they hold the pair is a feature."""
+    attribute candidate and object head; ``attributes``: the rules' (as JSON), whether they
+    hold the pair is a feature."""
     made = {(a["object"], a["attribute"]) for a in attributes}
-    candidates = attribute_candidates(toks, index, name_words)
+    named = {w for words in name_words.values() for w in words}
+    candidates = [  # open-class words that are no object head and no word of an object's name
+        t.i
+        for t in toks
+        if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
+    ]
     out = []
     for h in heads:
         for m in candidates:
@@ -137,17 +134,6 @@ def token_rows(tensor: np.ndarray, toks, rows: np.ndarray) -> np.ndarray:
     of a, b and b's head (the preposition or verb that governs it), (B, 3T)."""
     heads = np.array([toks[b].head for b in rows[:, 1].tolist()])
     return np.concatenate([tensor[rows[:, 0]], tensor[rows[:, 1]], tensor[heads]], axis=1)
-
-
-def attribute_candidates(toks, index: dict, name_words: dict) -> list[int]:
-    """Tokens that may be attributes: open-class words that are no object head and no word
-    of an object's name."""
-    named = {w for words in name_words.values() for w in words}
-    return [
-        t.i
-        for t in toks
-        if t.pos in ATTRIBUTE_POS and t.i not in index and t.i not in named and t.lemma != "be"
-    ]
 
 
 class Scorer:
@@ -247,6 +233,10 @@ class EdgeModel:
         return token_rows(tensor, toks, rows), ids, bags
 
     def _relations(self, tensor, toks, chains, heads, index, graph) -> None:
+        """Where the model's choice clears its gate, ``none`` drops the rules' relations of
+        the pair and a predicate replaces them, unless a rules' relation says the same in the
+        neutral reading (:func:`neutral_predicate`); elsewhere, and for ``other`` (class 1),
+        the rules' relations stand."""
         by_pair: dict[tuple[int, int], list[dict]] = {}
         for r in graph.relations:
             by_pair.setdefault((r["subject"], r["object"]), []).append(r)
@@ -283,6 +273,8 @@ class EdgeModel:
         graph.relations = kept
 
     def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
+        """A rules' attribute is dropped below one margin, a new one added above another; the
+        rules' attributes whose word is no candidate stay."""
         inputs = attribute_inputs(toks, chains, heads, index, name_words, graph.attributes)
         if not inputs:
             return

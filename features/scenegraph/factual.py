@@ -177,12 +177,8 @@ class Lemmas:
             self.lemmatizer = nlp.get_pipe("lemmatizer")
             table = self.lemmatizer.lookups.get_table("lemma_index", {})
             self.index = {pos: frozenset(table.get(pos.lower(), ())) for pos in ("NOUN", "VERB")}
+        self.nouns = self.index.get("NOUN", frozenset())  # empty without a lemmatizer
         self.cache: dict[tuple[str, str], str] = {}
-
-    @property
-    def nouns(self) -> frozenset[str]:
-        """The noun index (empty without a lemmatizer)."""
-        return self.index.get("NOUN", frozenset())
 
     def __call__(self, word: str, pos: str) -> str:
         key = (word, pos)

@@ -62,14 +62,15 @@ def _file(folder: str | Path, name: str) -> Path:
     return path
 
 
-def read_graph_rows(folder: str | Path, keys=None) -> list[dict]:
+def read_graph_rows(folder: str | Path, keys=None, columns=None) -> list[dict]:
     """The rows of ``graphs.parquet`` in caption order: every row, or those of the caption
-    ``keys`` (an iterable), selected in Arrow before any row becomes Python objects."""
+    ``keys`` (an iterable), selected in Arrow before any row becomes Python objects;
+    ``columns``: the columns read (all by default)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    table = pq.read_table(_file(folder, GRAPHS))
+    table = pq.read_table(_file(folder, GRAPHS), columns=columns)
     if keys is not None:
         table = table.filter(pc.is_in(table["key"], value_set=pa.array(list(keys), pa.string())))
     return table.to_pylist()
@@ -77,16 +78,13 @@ def read_graph_rows(folder: str | Path, keys=None) -> list[dict]:
 
 def read_graphs(folder: str | Path, keys: list[str]) -> list[dict]:
     """The graphs (objects, attributes, relations) of the captions ``keys``, in order."""
-    import pyarrow.parquet as pq
-
-    path = _file(folder, GRAPHS)
-    table = pq.read_table(path, columns=["key", "objects", "attributes", "relations"])
-    by_key = {row["key"]: row for row in table.to_pylist()}
+    columns = ["key", "objects", "attributes", "relations"]
+    by_key = {row["key"]: row for row in read_graph_rows(folder, keys, columns)}
     missing = [k for k in keys if k not in by_key]
     if missing:
         raise UserError(
-            f"{path}: no scene graph for {len(missing)} captions (first: {missing[0]}); "
-            "rerun `dvc repro scenegraph`"
+            f"{Path(folder) / GRAPHS}: no scene graph for {len(missing)} captions (first: "
+            f"{missing[0]}); rerun `dvc repro scenegraph`"
         )
     return [by_key[k] for k in keys]
 

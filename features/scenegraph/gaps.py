@@ -85,7 +85,5 @@ class Gaps:
 
     def _gap_relations(self, verb, words) -> None:
         """(subject of ``verb``, ``words``, the noun its clause describes)."""
-        for s in self._children(verb, "nsubj"):
-            for subject in self._entities(s):
-                for target in self._entities(self.toks[verb.head]):
-                    self._add(subject, words, target)
+        subjects = [e for s in self._children(verb, "nsubj") for e in self._entities(s)]
+        self._add_targets(subjects, [(words, t) for t in self._entities(self.toks[verb.head])])

@@ -106,17 +106,10 @@ def parse_captions(
     progress: Callable[[Iterable], Iterable] | None = None,
     n_process: int = 1,
     edges: str = "project",
-) -> list[dict]:
-    """One row per caption: key, caption and its scene graph (surface forms and lemmas);
-    ``edges``: the learned edge model's mode (:class:`ScenegraphConfig`)."""
-    return parse_captions_timed(nlp, keys, texts, batch_size, progress, n_process, edges)[0]
-
-
-def parse_captions_timed(
-    nlp, keys, texts, batch_size=256, progress=None, n_process=1, edges="project"
 ) -> tuple[list[dict], float]:
-    """:func:`parse_captions`, and the seconds spent in the rules and the edge model (the
-    rest is spaCy)."""
+    """One row per caption: key, caption and its scene graph (surface forms and lemmas),
+    and the seconds spent in the rules and the edge model (the rest is spaCy); ``edges``:
+    the learned edge model's mode (:class:`ScenegraphConfig`)."""
     parser = Parser.for_pipeline(nlp, edges)
     rows, rules = [], 0.0
     docs = nlp.pipe(map(caption_text, texts), batch_size=batch_size, n_process=n_process)
@@ -144,7 +137,7 @@ def extract_scene_graphs(
     (captions/s of the whole stage and the seconds spent in the rules) kept apart."""
     keys, texts, splits = manifest.caption_rows()
     start = time.perf_counter()
-    rows, rules = parse_captions_timed(
+    rows, rules = parse_captions(
         nlp, keys, texts, cfg.batch_size, progress, cfg.n_process, cfg.edges
     )
     seconds = time.perf_counter() - start

@@ -9,9 +9,8 @@ rules' object whose head word has the same lemma (captions where two objects' he
 a lemma, or a gold relation names an object the rules miss, are left out: a "none" label
 would not be sure), a gold relation labels the ordered pair of its two objects' heads,
 every other pair of heads is ``none``; a gold attribute labels the (modifier word, object
-head) candidate whose word has its lemma. Every 20th caption is held out and scored; the
-operating point (:data:`CONFIDENCE`, :data:`MARGINS`) is a choice between FACTUAL's gain and
-the project's own gold set, never tuned on a FACTUAL dev set.
+head) candidate whose word has its lemma. The operating point (:data:`CONFIDENCE`,
+:data:`MARGINS`) is never tuned on a FACTUAL dev set.
 """
 
 from __future__ import annotations

@@ -23,15 +23,11 @@ class TextModelError(UserError):
     """A text model could not be found locally."""
 
 
-def offline() -> None:
-    """Make the Hugging Face libraries refuse network access (set before they load)."""
+def resolve_model(name_or_path: str) -> Path:
+    """A local folder holding the model ``name_or_path`` (config, weights, tokenizer); the
+    Hugging Face libraries are set to refuse network access (before they load)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """A local folder holding the model ``name_or_path`` (config, weights, tokenizer)."""
-    offline()
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         if not (local / "config.json").exists():

@@ -33,17 +33,10 @@ class SbertConfig(Section):
 
 
 def pairwise_similarities(embeddings: np.ndarray, counts: list[int]) -> list[np.ndarray]:
-    """Per image, the cosine similarities of all pairs of its captions (upper triangle).
-
+    """Per image, the cosine similarities of all pairs of its captions (upper triangle);
     ``embeddings`` (sum counts, D) are L2-normalised, grouped by image in ``counts``."""
-    out = []
-    start = 0
-    for n in counts:
-        e = embeddings[start : start + n]
-        start += n
-        sims = e @ e.T
-        out.append(sims[np.triu_indices(n, k=1)].astype(np.float64))
-    return out
+    groups = np.split(embeddings, np.cumsum(counts)[:-1]) if counts else []
+    return [(e @ e.T)[np.triu_indices(len(e), k=1)].astype(np.float64) for e in groups]
 
 
 def summarise(pairs: list[np.ndarray]) -> dict:
@@ -69,11 +62,17 @@ def caption_statistics(
 ) -> dict:
     """Metrics per split, a histogram per split, and the extreme images."""
     rows = manifest.table.to_pylist()
-    captions = [c for r in rows for c in r["captions"]]
-    embeddings = embed(captions)
+    embeddings = embed([c for r in rows for c in r["captions"]])
     pairs = pairwise_similarities(embeddings, [len(r["captions"]) for r in rows])
     edges = np.linspace(-1.0, 1.0, cfg.bins + 1)
     metrics, histogram, extremes = {}, [], {}
+
+    def listing(scored):  # (mean similarity, row) -> the image's entry
+        return [
+            {"key": rows[i]["key"], "mean_similarity": round(s, 4), "captions": rows[i]["captions"]}
+            for s, i in scored
+        ]
+
     for split in SPLITS:
         idx = [i for i, r in enumerate(rows) if r["split"] == split]
         if not idx:
@@ -85,19 +84,7 @@ def caption_statistics(
             {"split": split, "similarity": round(float((a + b) / 2), 4), "pairs": int(c)}
             for a, b, c in zip(edges[:-1], edges[1:], counts, strict=True)
         ]
-        scored = [(float(pairs[i].mean()), i) for i in idx if len(pairs[i])]
-        scored.sort()
-
-        def listing(chosen):
-            return [
-                {
-                    "key": rows[i]["key"],
-                    "mean_similarity": round(s, 4),
-                    "captions": rows[i]["captions"],
-                }
-                for s, i in chosen
-            ]
-
+        scored = sorted((float(pairs[i].mean()), i) for i in idx if len(pairs[i]))
         extremes[split] = {
             "most_consistent": listing(scored[::-1][: cfg.examples]),
             "least_consistent": listing(scored[: cfg.examples]),

@@ -83,31 +83,24 @@ class BertTexts:
         tok = self.tokenizer
         pieces = tok(text, add_special_tokens=False)["input_ids"]
         budget = self.max_tokens - 2
-        if len(pieces) > budget:
-            pieces = self._salient_pieces(text, budget)
+        if len(pieces) > budget:  # the pieces of the most salient words that fit, in text order
+            text_words, salience = word_salience(SENTENCE.split(text))
+            word_pieces = [tok(w, add_special_tokens=False)["input_ids"] for w in text_words]
+            keep, used = set(), 0
+            for i in sorted(range(len(text_words)), key=lambda i: (-salience[i], i)):
+                if used + len(word_pieces[i]) <= budget:
+                    keep.add(i)
+                    used += len(word_pieces[i])
+            pieces = [p for i in sorted(keep) for p in word_pieces[i]]
         return [tok.cls_token_id, *pieces, tok.sep_token_id]
-
-    def _salient_pieces(self, text: str, budget: int) -> list[int]:
-        """The WordPieces of the most salient words that fit in ``budget``, in text order."""
-        text_words, salience = word_salience(SENTENCE.split(text))
-        word_pieces = [self.tokenizer(w, add_special_tokens=False)["input_ids"] for w in text_words]
-        keep, used = set(), 0
-        for i in sorted(range(len(text_words)), key=lambda i: (-salience[i], i)):
-            if used + len(word_pieces[i]) <= budget:
-                keep.add(i)
-                used += len(word_pieces[i])
-        return [p for i in sorted(keep) for p in word_pieces[i]]
 
     def __call__(self, texts: Sequence[str]) -> list[dict[str, np.ndarray]]:
         import torch  # here, not at import: the CLI reads TextConfig and should start fast
 
         ids = [self.token_ids(t) for t in texts]
-        length = max(len(i) for i in ids)
-        batch = torch.zeros((len(ids), length), dtype=torch.long)
-        mask = torch.zeros((len(ids), length), dtype=torch.long)
-        for row, i in enumerate(ids):
-            batch[row, : len(i)] = torch.tensor(i)
-            mask[row, : len(i)] = 1
+        batch = torch.nn.utils.rnn.pad_sequence([torch.tensor(i) for i in ids], batch_first=True)
+        lengths = torch.tensor([len(i) for i in ids])
+        mask = (torch.arange(batch.shape[1]) < lengths[:, None]).long()  # (B, L)
         with torch.no_grad(), autocast(self.device):
             out = self.model(
                 input_ids=batch.to(self.device),
@@ -146,24 +139,16 @@ def load_bert_texts(cfg: TextConfig) -> tuple[BertTexts, str]:
 
 
 def encode_in_length_order(
-    encoder: Callable[[Sequence[str]], list[dict]],
-    texts: Sequence[str],
-    batch_size: int,
-    lengths: Sequence[int],
-    progress: Callable | None = None,
+    encoder: Callable[[Sequence[str]], list[dict]], texts: Sequence[str], batch_size: int
 ) -> list[dict]:
-    """Run ``encoder`` on batches of similar length (less padding), results in text order."""
-    order = np.argsort(lengths, kind="stable")
+    """Run ``encoder`` on batches of texts of similar length in characters (less padding),
+    results in text order."""
+    order = np.argsort([len(t) for t in texts], kind="stable")
     results: list[dict | None] = [None] * len(texts)
-    bar = progress(total=len(texts)) if progress else None
     for start in range(0, len(order), batch_size):
         chosen = order[start : start + batch_size]
         for i, result in zip(chosen, encoder([texts[i] for i in chosen]), strict=True):
             results[i] = result
-        if bar is not None:
-            bar.update(len(chosen))
-    if bar is not None:
-        bar.close()
     return results  # type: ignore[return-value]
 
 
@@ -245,24 +230,19 @@ def write_text_store(
         for shard in writer.pending_shards():
             lo, hi = writer.shard_range(shard)
             chunk = texts[lo:hi]
-            encoded = encode_in_length_order(
-                encoder, chunk, cfg.batch_size, [len(t) for t in chunk]
-            )
+            encoded = encode_in_length_order(encoder, chunk, cfg.batch_size)
             sparse = [tfidf_vector(t, term_index, idf) for t in chunk]
             valid = np.ones(hi - lo, np.uint8)
             notes = {}
-            for i, (e, (_, values)) in enumerate(zip(encoded, sparse, strict=True)):
-                record = {"features": e["features"], "document": e["document"]}
-                wrong = nonfinite_fields({**record, "tfidf_values": values}, dtypes)
+            for i, (e, (indices, values)) in enumerate(zip(encoded, sparse, strict=True)):
+                dense = {"features": e["features"], "document": e["document"]}
+                wrong = nonfinite_fields({**dense, "tfidf_values": values}, dtypes)
                 if wrong:  # stored empty and reported, like a bad image
-                    e["features"] = np.zeros_like(e["features"])
-                    e["document"] = np.zeros_like(e["document"])
-                    sparse[i] = (sparse[i][0], np.zeros_like(values))
+                    e.update({k: np.zeros_like(v) for k, v in dense.items()})
+                    sparse[i] = (indices, np.zeros_like(values))
                     valid[i] = 0
-                    notes[keys[lo + i]] = [
-                        NON_FINITE,
-                        f"{', '.join(wrong)}: NaN or infinite values",
-                    ]
+                    reason = f"{', '.join(wrong)}: NaN or infinite values"
+                    notes[keys[lo + i]] = [NON_FINITE, reason]
                     bad[keys[lo + i]] = wrong
             writer.write_shard(
                 shard,
