@@ -147,10 +147,6 @@ class Caption:
         self.heads[child] = head
         self.deps[child] = dep
 
-    def comma(self, head: int) -> None:
-        self.spaces[-1] = False
-        self.attach(self.add(",", "PUNCT", ","), head, "punct")
-
     @property
     def raw(self) -> str:
         pairs = zip(self.words, self.spaces, strict=True)
@@ -273,7 +269,8 @@ def _list_of_objects(cap: Caption, rng: np.random.Generator, objects) -> int:
                 cc = cap.add("and", "CCONJ", "CC")
                 cap.attach(cc, heads[-1], "cc")
             else:
-                cap.comma(heads[-1])
+                cap.spaces[-1] = False
+                cap.attach(cap.add(",", "PUNCT", ","), heads[-1], "punct")
         n = _noun_phrase(cap, rng, obj, det="a", size=bool(rng.random() < 0.7))
         if heads:
             cap.attach(n, heads[-1], "conj")

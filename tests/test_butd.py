@@ -369,3 +369,22 @@ def test_extracted_store_exports_as_obj36_rows(tmp_path):
         np.testing.assert_array_equal(ids, data["objects_id"][i, :n])
         np.testing.assert_array_equal(attrs, data["attrs_id"][i, :n])
         np.testing.assert_array_equal(feats, data["features"][i, :n].astype(np.float32))
+
+
+def test_given_boxes_keep_their_order_and_take_each_ones_most_likely_object(tmp_path):
+    """``backend: given`` with bottom-up-attention weights: one region per given box, in
+    the manifest's order; its object is the most probable class but background, its
+    confidence that class's probability."""
+    cfg = RegionsConfig(
+        weights=save(butd_state(), tmp_path / "a.pth"), backend="given", min_boxes=0, **SMALL
+    )
+    ext = build_image_extractor("regions", cfg)
+    boxes = [[10.0, 20.0, 200.0, 180.0], [0.0, 0.0, 60.0, 90.0], [50.0, 40.0, 300.0, 260.0]]
+    item = ext.prepare(photo(), {"boxes": boxes})
+    probs = ext.forward([item]).wait()["probs"][:, 1:]  # (3, classes): background dropped
+    out = ext([item])[0]
+    assert out["n_regions"] == 3
+    np.testing.assert_allclose(out["boxes"][:3], boxes, rtol=1e-6)
+    np.testing.assert_array_equal(out["objects_id"][:3], probs.argmax(1).numpy())
+    np.testing.assert_allclose(out["objects_conf"][:3], probs.max(1).values.numpy(), rtol=1e-6)
+    assert (out["objects_id"][3:] == -1).all()

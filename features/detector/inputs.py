@@ -11,8 +11,6 @@ from PIL import Image
 from torchvision.models.detection.image_list import ImageList
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
-
-
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
@@ -40,8 +38,3 @@ def batch_images(tensors: Sequence[torch.Tensor]) -> ImageList:
     for i, t in enumerate(tensors):
         batch[i, :, : t.shape[1], : t.shape[2]] = t
     return ImageList(batch, [tuple(t.shape[1:]) for t in tensors])
-
-
-def keep_list(items: list) -> list:
-    """DataLoader collate: images differ in size, the model batches them itself."""
-    return items

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from features.decode import BadImage, load_image
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
-from features.detector.inputs import keep_list, resize_for_detection, to_tensor
+from features.detector.inputs import resize_for_detection, to_tensor
 from infra.resume import ignore_stop_signals
 
 
@@ -99,7 +99,7 @@ def make_loader(items: DetectionItems, batches, cfg: DetectorConfig, seed: int) 
         items,
         batch_sampler=batches,
         num_workers=cfg.num_workers,
-        collate_fn=keep_list,
+        collate_fn=list,  # images differ in size: the model batches them
         generator=torch.Generator().manual_seed(seed),
         worker_init_fn=ignore_stop_signals,
     )

@@ -1,6 +1,16 @@
-"""The detector's metrics on val: VOC AP@0.5 per class and its mean, recall of ground-truth
-boxes by detections and by RPN proposals, class and attribute accuracy on ground-truth
-boxes; written as metrics JSON and a per-class AP plot."""
+"""The detector's metrics on val, written as metrics JSON and a per-class AP plot:
+
+- ``map50``: VOC-style mAP at IoU ``eval_iou`` (0.5): per class, detections of all images
+  ranked by score, each matched to the best-overlapping unmatched ground truth of its
+  class; AP is the area under the precision envelope (all points, VOC 2010+); the mean is
+  over classes with ground truth in val.
+- ``recall``: ground-truth boxes found by a detection (any class) at IoU >= ``eval_iou``;
+  ``proposal_recall`` the same for the RPN's ``rpn_post_nms_test`` proposals.
+- ``class_accuracy``: the predicted class of each ground-truth box (the box head on it).
+- ``attribute_accuracy``: for each ground-truth object with k attributes, the share of
+  them among the head's top-k attributes (given the object's ground-truth class, as in
+  training), averaged over objects.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
 from features.detector.inputs import batch_images
 from features.detector.loader import DetectionItems, make_loader
+from features.detector.model import backbone_with_conv5
 from infra.files import atomic_path, write_json
 
 
@@ -104,9 +115,7 @@ def evaluate_detector(
         if not good:
             continue
         packed = batch_images([b["image"].to(device) for b in good])
-        features = model.backbone(packed.tensors)
-        if not isinstance(features, dict):
-            features = {"0": features}
+        features, _ = backbone_with_conv5(model, packed.tensors)
         props, _ = model.rpn(ImageList(packed.tensors, packed.image_sizes), features)
         found, _ = heads(features, props, packed.image_sizes)
         gt_boxes = [b["target"]["boxes"].to(device) for b in good]

@@ -13,16 +13,12 @@ backbone layouts:
   two-layer MLP box head; ``resnet50_fpn`` and ``resnet50_fpn_v2`` are built by
   torchvision's own constructors, so their detection checkpoints load as they are.
 
-The attribute head follows Anderson et al. 2018, sec. 3.1 ("Bottom-Up Attention Model"):
-the region's box-head feature concatenated with a learned embedding of its object class
-(the ground-truth class in training, the predicted class at test time), one FC layer with
-ReLU, then a softmax over the attribute classes plus a "no attribute" class (index 0).
-An object may have several attributes (the demo's have two: colour and size). The paper
-does not say how several attributes enter the softmax loss; here an object's target is the
-uniform distribution over its attributes (cross-entropy with a soft target), so each
-object weighs the same whatever its number of attributes, and a model that puts equal
-mass on all of an object's attributes is optimal. Objects without attributes target
-"no attribute", as in the paper. Only foreground RoIs train the head.
+The attribute head follows Anderson et al. 2018, sec. 3.1 (:class:`AttributeHead`; the
+ground-truth class in training, the predicted class at test time). The paper does not say
+how an object's several attributes (the demo's: colour and size) enter the softmax loss;
+here its target is the uniform distribution over them (a soft-target cross-entropy), so
+each object weighs the same whatever its number of attributes; objects without attributes
+target "no attribute", as in the paper. Only foreground RoIs train the head.
 
 The checkpoint this module writes (:func:`detector_checkpoint`) is plain data, loadable
 with ``weights_only=True``::

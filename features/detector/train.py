@@ -1,4 +1,4 @@
-"""Training and evaluation of the bottom-up detector (:mod:`features.detector`).
+"""Training of the bottom-up detector, then its evaluation on val (:mod:`.metrics`).
 
 Training is Faster R-CNN's approximate joint training (Ren et al. 2015, sec. 3.2): one
 loss, the sum of the RPN objectness and box terms, the head's classification and box
@@ -17,19 +17,6 @@ with the optimiser and scheduler after every epoch, and within an epoch every
 SIGINT (then exit status 75; :mod:`infra.resume`), with the step reached: ``resume`` gives
 the loader only the batches after it and ends bit-identical to an uninterrupted run.
 Metrics hold no timings.
-
-Evaluation on val (:func:`evaluate_detector`):
-
-- ``map50``: VOC-style mAP at IoU ``eval_iou`` (0.5): per class, detections of all images
-  ranked by score, each matched to the best-overlapping unmatched ground truth of its
-  class; AP is the area under the precision envelope (all points, VOC 2010+); the mean is
-  over classes with ground truth in val.
-- ``recall``: ground-truth boxes found by a detection (any class) at IoU >= ``eval_iou``;
-  ``proposal_recall`` the same for the RPN's ``rpn_post_nms_test`` proposals.
-- ``class_accuracy``: the predicted class of each ground-truth box (the box head on it).
-- ``attribute_accuracy``: for each ground-truth object with k attributes, the share of
-  them among the head's top-k attributes (given the object's ground-truth class, as in
-  training), averaged over objects.
 """
 
 from __future__ import annotations

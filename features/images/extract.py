@@ -31,8 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from features.decode import MAX_ASPECT_RATIO, BadImage, load_image
-from features.detector.inputs import keep_list
+from features.decode import BadImage, load_image
 from features.detector.weights import weights_digest
 from features.images.config import ExtractConfig
 from features.images.extractor import EXTRACTOR_VERSION
@@ -63,17 +62,10 @@ class ImageItems(Dataset):
     """Manifest rows -> prepared items, or the reason an image could not be used."""
 
     def __init__(
-        self,
-        rows: list[dict],
-        indices: list[int],
-        images_root: Path,
-        prepare,
-        max_pixels: int,
-        max_aspect_ratio: float = MAX_ASPECT_RATIO,
+        self, rows: list[dict], indices: list[int], images_root: Path, prepare, cfg: ExtractConfig
     ):
         self.rows, self.indices = rows, indices
-        self.images_root, self.prepare, self.max_pixels = images_root, prepare, max_pixels
-        self.max_aspect_ratio = max_aspect_ratio
+        self.images_root, self.prepare, self.cfg = images_root, prepare, cfg
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -81,9 +73,8 @@ class ImageItems(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
         try:
-            image = load_image(
-                self.images_root / row["path"], self.max_pixels, self.max_aspect_ratio
-            )
+            path = self.images_root / row["path"]
+            image = load_image(path, self.cfg.max_pixels, self.cfg.max_aspect_ratio)
             item = self.prepare(image, row)
             item["error"] = None
         except BadImage as err:
@@ -194,17 +185,10 @@ def extract_images(
     ):
         order = [i for shard in out.pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(
-            ImageItems(
-                [rows[i] for i in order],
-                order,
-                images_root,
-                extractor.prepare,
-                cfg.max_pixels,
-                cfg.max_aspect_ratio,
-            ),
+            ImageItems([rows[i] for i in order], order, images_root, extractor.prepare, cfg),
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
-            collate_fn=keep_list,
+            collate_fn=list,  # images differ in size: the model batches them
             pin_memory=extractor.device.type == "cuda",
         )
         bar = progress(total=len(order)) if progress else None
@@ -243,20 +227,27 @@ def _stored(extractor, batch: list[dict], results: list[dict], dtypes: dict):
     """(manifest index, store record, note) of each item of a finished batch, ``results``
     being those of its readable items in order. An image that could not be read, whose
     features hold NaN or infinite values (as stored) or that has no regions is stored empty
-    (``valid = 0``) with the reason as its note; one short of ``min_boxes`` is stored with
-    a note."""
+    (``valid = 0``) with the reason as its note; one short of ``regions.min_boxes`` is
+    stored with a note. The selection keeps up to ``min_boxes`` proposals whatever their
+    score (as ``generate_tsv.py``), so an image is short only when the detector proposed
+    fewer boxes; given boxes (``regions.backend: given``) are never short."""
+    min_boxes = getattr(getattr(extractor, "cfg", None), "min_boxes", 0)
+    if getattr(extractor, "given", False):
+        min_boxes = 0
     results = iter(results)
     for item in batch:
         error, note = item["error"], None
         if error is None:
             result = next(results)
+            n = int(result.get("n_regions", min_boxes))
             if bad := nonfinite_fields(result, dtypes):
                 error = (NON_FINITE, f"{', '.join(bad)}: NaN or infinite values")
-            elif short := _short_of_min_boxes(extractor, result):
-                if short[0] == NO_REGIONS:  # nothing to train on: stored empty
-                    error = short
+            elif n < min_boxes:
+                detail = f"{n} regions < min_boxes {min_boxes}: the detector proposed {n} boxes"
+                if n == 0:  # nothing to train on: stored empty
+                    error = (NO_REGIONS, detail)
                 else:
-                    note = short
+                    note = (FEW_REGIONS, detail)
         if error is not None:
             yield item["index"], {**extractor.empty(), "valid": np.uint8(0)}, list(error)
         else:
@@ -313,19 +304,3 @@ class _Shards:
             tick = time.perf_counter()
             self.last.result()
             self.timing.write += time.perf_counter() - tick
-
-
-def _short_of_min_boxes(extractor, result: dict) -> tuple[str, str] | None:
-    """The note of an image with fewer regions than ``regions.min_boxes``.
-    The selection already keeps the top proposals regardless of the threshold up to
-    ``min_boxes`` (as bottom-up-attention's ``generate_tsv.py`` does), so an image is short
-    only when the detector proposed fewer boxes than that: none is an error, some a
-    warning. Given boxes (``regions.boxes_from``) are never short."""
-    min_boxes = getattr(getattr(extractor, "cfg", None), "min_boxes", 0)
-    if not min_boxes or getattr(extractor, "given", False) or "n_regions" not in result:
-        return None
-    n = int(result["n_regions"])
-    if n >= min_boxes:
-        return None
-    reason = NO_REGIONS if n == 0 else FEW_REGIONS
-    return reason, f"{n} regions < min_boxes {min_boxes}: the detector proposed {n} boxes"

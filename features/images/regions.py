@@ -1,18 +1,7 @@
-"""Visual features: Faster R-CNN regions (bottom-up attention), 7x7 grids, global vectors.
-
-Extractors are pure modules built by the stage's entry point and passed in (tests pass
-random-init ones). Each has a ``prepare`` step that runs in DataLoader workers (resize,
-normalise: CPU work overlapped with inference), a batched ``forward`` that runs the network
-on the device, and a ``finish`` that turns its outputs into per-image numpy records on the
-host (selection, packing) while the next batch runs; ``__call__`` is the two in one.
-:mod:`features.images.extract` drives them.
-
-Regions follow the bottom-up-attention recipe (Anderson et al. 2018, ``generate_tsv.py``):
-the box head's pooled feature of each RPN proposal; per class, NMS over the proposals at
-IoU ``nms_iou``; a proposal's confidence is its best class score among the classes for
-which it survives NMS; keep proposals with confidence >= ``conf_threshold``, at least
-``min_boxes`` and at most ``max_boxes`` of them (the top ones by confidence). Boxes are
-the proposals' boxes in original-image pixels, as in the reference tool.
+"""The regions stage's extractor: bottom-up-attention region features from a torchvision
+Faster R-CNN (Anderson et al. 2018): the box head's pooled feature of each RPN proposal,
+selected by :func:`features.images.select.butd_select`, boxes in original-image pixels as in
+the reference tool; or the features at the manifest's boxes (``backend: given``).
 """
 
 from __future__ import annotations
@@ -29,7 +18,11 @@ from torchvision.models.detection.image_list import ImageList
 
 from features.detector.config import DetectorConfig
 from features.detector.inputs import batch_images, resize_for_detection, to_tensor
-from features.detector.model import build_detector_model, model_from_checkpoint
+from features.detector.model import (
+    backbone_with_conv5,
+    build_detector_model,
+    model_from_checkpoint,
+)
 from features.detector.weights import (
     WeightsError,
     checkpoint_format,
@@ -53,8 +46,6 @@ from features.store.spec import FieldSpec
 from infra.device import autocast
 
 DEFAULT_DETECTOR = "resnet101_c4"  # Anderson et al. 2018
-
-
 DEFAULT_CLASSES = 1601  # Visual Genome: 1600 object classes + background
 
 
@@ -71,20 +62,19 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     torch.manual_seed(cfg.seed)
     obj = read_checkpoint(cfg.weights, param, cfg.allow_pickle_weights) if cfg.weights else None
     fmt = checkpoint_format(obj) if obj is not None else None
+    source = f"{cfg.weights} ({describe(obj)})" if obj is not None else ""
     overrides = {"rpn_post_nms_test": cfg.proposals}
     if fmt == "butd":  # the published bottom-up-attention weights: the native model
         from features.images.butd.checkpoint import butd_from_state
 
-        model = butd_from_state(obj, f"{cfg.weights} ({describe(obj)})", cfg.proposals)
+        model = butd_from_state(obj, source, cfg.proposals)
         spec = model.spec
         model.architecture = f"butd-r{3 * sum(spec.blocks) + 2}-{spec.layout}"
         return model
     if fmt == "vse-detector":
-        source = f"{cfg.weights} (a vse-detector checkpoint)"
-        check_conflict(
-            "regions.architecture", cfg.architecture, obj["config"]["architecture"], source
-        )
-        check_conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, source)
+        own = f"{cfg.weights} (a vse-detector checkpoint)"
+        check_conflict("regions.architecture", cfg.architecture, obj["config"]["architecture"], own)
+        check_conflict("regions.num_classes", cfg.num_classes, len(obj["classes"]) + 1, own)
         model = model_from_checkpoint(obj, overrides)
         model.architecture = obj["config"]["architecture"]
         return model.eval()
@@ -92,9 +82,7 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     num_classes = cfg.num_classes
     if fmt == "detection" and "roi_heads.box_predictor.cls_score.weight" in obj:
         found = obj["roi_heads.box_predictor.cls_score.weight"].shape[0]
-        check_conflict(
-            "regions.num_classes", num_classes, found, f"{cfg.weights} ({describe(obj)})"
-        )
+        check_conflict("regions.num_classes", num_classes, found, source)
         num_classes = found
     spec = DetectorConfig(architecture=arch, **overrides)
     # no weights at all: ResNet blocks start as identities, so features stay finite at any
@@ -107,30 +95,23 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     if obj is None:
         warn_random_init("regions", cfg.seed)
     elif fmt == "detection":
-        load_exact(model, obj, param, what, f"{cfg.weights} ({describe(obj)})")
+        load_exact(model, obj, param, what, source)
     elif fmt == "classification":
-        _load_imagenet_trunk(model, obj, cfg.weights, arch)
+        # as Anderson et al. initialised theirs: the trunk (and the C4 res5 head) only
+        trunk = f"the trunk of the regions detector ({arch})"
+        load_trunk(model, trunk_state(obj, param), arch.endswith("_c4"), param, trunk, source)
+        warnings.warn(
+            f"regions: {cfg.weights} initialises only the trunk of {arch}; the RPN and the "
+            "box predictor are RANDOM, so regions and scores are meaningless until it is "
+            "trained (vse train detector)",
+            stacklevel=2,
+        )
     else:
         raise WeightsError(
             f"{param}: {cfg.weights} is {describe(obj)}; {what} takes a vse-detector "
             "checkpoint, a torchvision detection state dict or an ImageNet ResNet state dict"
         )
     return model.eval()
-
-
-def _load_imagenet_trunk(model: nn.Module, obj: dict, path: str, arch: str) -> None:
-    """ImageNet weights into the detector's trunk (``backbone.body``; for C4 also the res5
-    box head), as Anderson et al. initialised theirs; the rest stays random."""
-    state = trunk_state(obj, "regions.weights")
-    what = f"the trunk of the regions detector ({arch})"
-    source = f"{path} ({describe(obj)})"
-    load_trunk(model, state, arch.endswith("_c4"), "regions.weights", what, source)
-    warnings.warn(
-        f"regions: {path} initialises only the trunk of {arch}; the RPN and the box "
-        "predictor are RANDOM, so regions and scores are meaningless until it is trained "
-        "(vse train detector)",
-        stacklevel=3,
-    )
 
 
 class RegionExtractor:
@@ -182,8 +163,22 @@ class RegionExtractor:
     @torch.no_grad()
     def forward(self, items: list[dict]) -> HostCopy:
         """The network over a batch, on the device: RoIs per image (resized pixels), their
-        pooled features and class probabilities, on their way to host memory."""
-        rois, pooled, logits = self._forward(items)
+        pooled box-head features (sum P, D) and class probabilities (sum P, C), on their way
+        to host memory."""
+        images = batch_images([it["image"] for it in items])
+        images = ImageList(to_device(images.tensors, self.device), images.image_sizes)
+        with autocast(self.device):
+            feature_maps, _ = backbone_with_conv5(self.model, images.tensors)
+            if self.given:
+                rois = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
+            else:
+                rois, _ = self.model.rpn(images, feature_maps)
+            heads = self.model.roi_heads
+            pooled = heads.box_head(heads.box_roi_pool(feature_maps, rois, images.image_sizes))
+            # class scores only: the selection keeps proposal boxes, so the per-class box
+            # regression (4 x classes outputs a region) is not computed; given boxes need
+            # no scores at all
+            logits = None if self.given else heads.box_predictor.cls_score(pooled)
         probs = None if logits is None else F.softmax(logits.float(), dim=-1)
         return HostCopy(
             self.device, rois=[r.float() for r in rois], pooled=pooled.float(), probs=probs
@@ -209,40 +204,16 @@ class RegionExtractor:
                 confidence = torch.ones(n)
             else:
                 keep, classes, confidence = butd_select(boxes, probs, self.cfg)
-            outputs.append(self._pack(feats[keep], boxes[keep], classes, confidence, it["hw"]))
+            record = self.empty()
+            k = len(keep)
+            record["features"][:k] = feats[keep].numpy()
+            record["boxes"][:k] = boxes[keep].numpy()
+            record["classes"][:k] = classes.numpy()
+            record["scores"][:k] = confidence.numpy()
+            record["n_regions"] = np.int32(k)
+            record["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
+            outputs.append(record)
         return outputs
-
-    def _forward(self, items: list[dict]):
-        """RoIs per image (resized pixels), their pooled box-head features (sum P, D) and
-        class logits (sum P, C)."""
-        images = batch_images([it["image"] for it in items])
-        images = ImageList(to_device(images.tensors, self.device), images.image_sizes)
-        with autocast(self.device):
-            feature_maps = self.model.backbone(images.tensors)
-            if not isinstance(feature_maps, dict):
-                feature_maps = {"0": feature_maps}
-            if self.given:
-                rois = [(it["boxes"] * it["scale"]).to(self.device) for it in items]
-            else:
-                rois, _ = self.model.rpn(images, feature_maps)
-            heads = self.model.roi_heads
-            pooled = heads.box_head(heads.box_roi_pool(feature_maps, rois, images.image_sizes))
-            # class scores only: the selection keeps proposal boxes, so the per-class box
-            # regression (4 x classes outputs a region) is not computed; given boxes need
-            # no scores at all
-            logits = None if self.given else heads.box_predictor.cls_score(pooled)
-        return rois, pooled, logits
-
-    def _pack(self, feats, boxes, classes, confidence, hw) -> dict[str, np.ndarray]:
-        out = self.empty()
-        n = len(feats)
-        out["features"][:n] = feats.numpy()
-        out["boxes"][:n] = boxes.numpy()
-        out["classes"][:n] = classes.numpy()
-        out["scores"][:n] = confidence.numpy()
-        out["n_regions"] = np.int32(n)
-        out["image_hw"] = np.asarray(hw, dtype=np.int32)
-        return out
 
     def empty(self) -> dict[str, np.ndarray]:
         """The record of an image that could not be read: no regions."""

@@ -51,7 +51,7 @@ def butd_select(
         top_score, top_box = fg.max(dim=0)
         bound = torch.zeros(n, dtype=fg.dtype).scatter_reduce(0, top_box, top_score, "amax")
         ranked_bound = bound.sort(descending=True).values
-        tau = min(tau, float(ranked_bound[target - 1])) if target else tau
+        tau = min(tau, float(ranked_bound[target - 1]))
         max_conf, best = _max_conf_from(fg, over, tau)
     confidence = torch.where(max_conf >= tau, max_conf, torch.zeros_like(max_conf))
     ranked = torch.argsort(confidence, descending=True, stable=True)
@@ -74,11 +74,11 @@ def _max_conf_from(
     order = torch.argsort(score, descending=True, stable=True)
     order = order[torch.argsort(cls[order], stable=True)]  # class, score desc, box asc
     box, cls, score = box[order], cls[order], score[order]
-    survives = _grouped_nms(box, cls, over)
     max_conf = torch.zeros(n, dtype=fg.dtype)
     best = torch.full((n,), -1, dtype=torch.long)
     if len(box) == 0:
         return max_conf, best
+    survives = _grouped_nms(box, cls, over)
     alive = survives & (score > 0)
     max_conf.scatter_reduce_(0, box[alive], score[alive], "amax")
     winner = alive & (score == max_conf[box])
@@ -93,8 +93,6 @@ def _grouped_nms(box: torch.Tensor, cls: torch.Tensor, over: torch.Tensor) -> to
     """Greedy NMS of every class at once: pairs sorted by class, then rank; ``over[a, b]``
     says a kept ``a`` suppresses ``b``. Step r decides the r-th pair of every class, whose
     suppression by earlier kept pairs is read from per-class bitsets (32 boxes a word)."""
-    if len(box) == 0:
-        return torch.zeros(0, dtype=torch.bool)
     n = len(over)
     words = -(-n // 32)
     padded = torch.zeros(n, words * 32, dtype=torch.int64)

@@ -23,7 +23,6 @@ same Caffe weights.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import torch
 
@@ -68,31 +67,23 @@ def layout_of(state: dict, source: str, param: str = "regions.weights") -> str:
 
 
 def spec_of(state: dict, layout: str) -> ButdSpec:
-    """Depth, widths and head sizes read from the shapes in a checkpoint."""
+    """Depth, widths and head sizes read from the shapes in a checkpoint under
+    :class:`ButdModel`'s names (:func:`model_state`)."""
     blocks = []
     for prefix in ("backbone.res2", "backbone.res3", "backbone.res4", "roi_heads.res5"):
         pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.")
         blocks.append(len({m.group(1) for k in state if (m := pattern.match(k))}))
-    attr = next((k for k in state if "attr" in k and k.startswith(PREDICTOR)), None)
-    spec = ButdSpec(
+    attrs = PREDICTOR + "attr_score.weight" in state
+    return ButdSpec(
         blocks=tuple(blocks),
         width=state["backbone.stem.conv1.weight"].shape[0],
-        rpn_hidden=state[RPN + "conv.weight"].shape[0],
+        rpn_hidden=state["rpn_head.conv.weight"].shape[0],
         num_classes=state[PREDICTOR + "cls_score.weight"].shape[0],
         layout=layout,
-        num_attrs=0,
+        num_attrs=state[PREDICTOR + "attr_score.weight"].shape[0] if attrs else 0,
+        attr_embed=state[PREDICTOR + "cls_embedding.weight"].shape[1] if attrs else 256,
+        attr_hidden=state[PREDICTOR + "fc_attr.weight"].shape[0] if attrs else 512,
     )
-    if attr is not None:
-        emb, hid, out = "cls_embedding.", "fc_attr.", "attr_score."
-        if layout == "milvlg":
-            emb, hid, out = "cls_embed.", "attr_linear1.", "attr_linear2."
-        spec = replace(
-            spec,
-            num_attrs=state[PREDICTOR + out + "weight"].shape[0],
-            attr_embed=state[PREDICTOR + emb + "weight"].shape[1],
-            attr_hidden=state[PREDICTOR + hid + "weight"].shape[0],
-        )
-    return spec
 
 
 def model_state(state: dict, layout: str) -> dict[str, torch.Tensor]:
@@ -126,8 +117,8 @@ def butd_from_state(
     norms folded into the convolutions; every key must fit, or one line says what
     differs."""
     layout = layout_of(state, source, param)
-    spec = spec_of(state, layout)
-    model = ButdModel(spec, proposals=proposals)
+    state = model_state(state, layout)
+    model = ButdModel(spec_of(state, layout), proposals=proposals)
     what = f"the bottom-up-attention model ({layout} layout)"
-    load_exact(model, model_state(state, layout), param, what, source)
+    load_exact(model, state, param, what, source)
     return model.fold_norms().eval()

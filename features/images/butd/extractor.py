@@ -12,7 +12,7 @@ from PIL import Image
 
 from features.images.butd.model import ButdModel
 from features.images.config import RegionsConfig
-from features.images.extractor import HostCopy, to_device, zeros
+from features.images.extractor import HostCopy, to_device
 from features.images.regions import RegionExtractor
 from features.images.select import butd_select
 from features.store.spec import FieldSpec, regions_fields
@@ -63,15 +63,12 @@ class ButdRegionExtractor(RegionExtractor):
         """Each image's selected regions as its store record (-1 ids past ``n_regions``)."""
         outputs = []
         for it, r in zip(items, self.select(items, raw), strict=True):
-            out = zeros(self.fields())
+            out = self.empty()
             n = len(r["boxes"])
-            for name in ("features", "boxes"):
-                out[name][:n] = r[name].numpy()
-            for label in ("objects", "attrs"):
-                if f"{label}_id" in out:
-                    out[f"{label}_id"][:] = -1
-                    out[f"{label}_id"][:n] = r[f"{label}_id"].numpy()
-                    out[f"{label}_conf"][:n] = r[f"{label}_conf"].numpy()
+            for name, value in r.items():
+                if name.endswith("_id"):
+                    out[name][:] = -1
+                out[name][:n] = value.numpy()
             out["n_regions"] = np.int32(n)
             out["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
             outputs.append(out)
@@ -113,7 +110,7 @@ class ButdRegionExtractor(RegionExtractor):
             boxes = boxes / it["scale"]  # original-image pixels
             if self.given:
                 keep = torch.arange(len(boxes))
-                classes, confidence = probs[part, 1:].max(dim=1)
+                confidence, classes = probs[part, 1:].max(dim=1)
             else:
                 keep, classes, confidence = butd_select(boxes, probs[part], self.cfg)
                 classes = classes - 1  # background was column 0

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision.models.detection._utils import BoxCoder
 from torchvision.ops import FrozenBatchNorm2d, batched_nms, roi_pool
 
 CAFFE_PIXEL_MEAN_BGR = (102.9801, 115.9465, 122.7717)
 ANCHOR_SIZES = (64, 128, 256, 512)  # 4, 8, 16, 32 x the stride, as the Caffe model
 ASPECT_RATIOS = (0.5, 1.0, 2.0)
 STRIDE = 16
-BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale of a box delta (detectron2's)
 
 
 @dataclass(frozen=True)
@@ -163,18 +163,6 @@ def grid_anchors(height: int, width: int, device: torch.device) -> torch.Tensor:
     return (shifts + cell_anchors().to(device)).reshape(-1, 4)
 
 
-def apply_deltas(deltas: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """Faster R-CNN box parametrisation inverted (Ren et al. 2015, Eq. 2): (N, 4)
-    deltas (dx, dy, log dw, log dh) on (N, 4) boxes (x1, y1, x2, y2) -> (N, 4) boxes."""
-    w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-    cx, cy = boxes[:, 0] + 0.5 * w, boxes[:, 1] + 0.5 * h
-    dx, dy = deltas[:, 0], deltas[:, 1]
-    dw, dh = deltas[:, 2].clamp(max=BOX_CLAMP), deltas[:, 3].clamp(max=BOX_CLAMP)
-    px, py = dx * w + cx, dy * h + cy
-    pw, ph = torch.exp(dw) * w, torch.exp(dh) * h
-    return torch.stack([px - 0.5 * pw, py - 0.5 * ph, px + 0.5 * pw, py + 0.5 * ph], dim=1)
-
-
 class Predictor(nn.Module):
     """Class scores, per-class box deltas and the attribute head (detectron2 names; the
     MILVLG names are mapped onto these when a checkpoint is read)."""
@@ -265,7 +253,8 @@ class ButdModel(nn.Module):
             scores = pairs.softmax(dim=-1)[:, 1]
         deltas = deltas[0].view(12, 4, h, w).permute(2, 3, 0, 1).reshape(-1, 4)
         top, idx = scores.float().topk(min(self.pre_nms, len(scores)))
-        boxes = apply_deltas(deltas[idx].float(), anchors[idx])
+        # Ren et al. 2015, Eq. 2 inverted; log-scales clamped at log(1000 / 16) as detectron2
+        boxes = BoxCoder((1.0, 1.0, 1.0, 1.0)).decode_single(deltas[idx].float(), anchors[idx])
         finite = torch.isfinite(boxes).all(dim=1) & torch.isfinite(top)
         boxes, top = boxes[finite], top[finite]
         ih, iw = size

@@ -278,7 +278,6 @@ def train_graph_rise(
         written, valid, upstream = data["projected"], pooled_valid, source
     else:
         written, upstream = embedding, inputs
-    checkpoint = sha256_file(model_dir / HEAD)
     provenance = Provenance(
         f"graph-rise-{cfg.output}",
         VERSION,
@@ -288,7 +287,7 @@ def train_graph_rise(
             ),
             "labels": identity["labels"],
             "graph": identity["graph"],
-            "checkpoint": checkpoint,
+            "checkpoint": sha256_file(model_dir / HEAD),
         },
         upstream.fingerprint,
         manifest.digest,
