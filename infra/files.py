@@ -1,11 +1,9 @@
 """Writing outputs so that no reader ever sees one half-written.
 
-Every file or folder a stage produces is written aside under a unique temporary name in
-the same folder, then moved into place with one ``os.replace`` (atomic on POSIX within a
-file system). A killed writer leaves only its temporary file, never a truncated output,
-and the next write of that path removes it (temporary names hold the writer's pid: those
-of processes that are gone are swept); a hardlinked DVC cache object is never opened for
-writing in place.
+Every output is written under a unique temporary name in its folder, then moved into
+place with one ``os.replace`` (atomic on POSIX). A killed writer leaves only its
+temporary file (named with its pid: the next write of that path sweeps those of processes
+that are gone); a hardlinked DVC cache object is never opened for writing in place.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ def _gone(pid: str) -> bool:
     except ProcessLookupError:
         return True
     except (ValueError, PermissionError, OverflowError):
-        return False
+        pass
     return False
 
 

@@ -1,12 +1,9 @@
-"""NaN and infinite values never pass silently.
+"""NaN and infinite values never pass silently: a NaN feature ranks *first* in retrieval
+(it never compares greater), an infinite one drowns a mean.
 
-A NaN never compares greater than anything, so a sample with NaN features ranks *first*
-in retrieval and evaluation reports a better score; an infinite one drowns a mean. Values
-are checked where they enter a store (extractors, importers, the text writer: the sample
-is stored empty with ``valid = 0`` and reported by key and field, like a bad image), and
-where they are consumed (evaluation refuses them; :func:`check_finite` is the one-line
-refusal any reader can use). Checks are made on the values as stored: a float32 feature
-above 65504 is finite but becomes infinite in a float16 field.
+Values are checked where they enter a store (the sample is stored empty with
+``valid = 0`` and reported, like a bad image) and where they are consumed
+(:func:`check_finite`), as stored: a float32 above 65504 is infinite in a float16 field.
 """
 
 from __future__ import annotations

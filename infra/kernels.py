@@ -1,13 +1,10 @@
 """The same floats on every x86-64 machine: numpy's and torch's CPU kernels and thread
-counts chosen by the pipeline, not by the machine it runs on.
+counts chosen by the pipeline, not by the machine.
 
-Each numerical library picks its code by the CPU it finds and splits its work by the
-cores it finds: OpenBLAS (numpy's products and eigendecompositions) a kernel per CPU
-model, torch's vector kernels AVX-512 where the CPU has it, oneDNN (torch's convolutions)
-its widest instructions, MKL (torch's matrix products) a branch per vendor and ISA.
-Another kernel or another thread count adds in another order, the last bits of a float
-change, and with them every hash in ``dvc.lock`` downstream. :func:`pin`, which ``vse``
-calls before numpy or torch loads, makes the same choice on every x86-64 CPU:
+Each library picks its kernels by the CPU and splits work by the cores it finds; another
+kernel or thread count adds in another order, the last bits change, and with them every
+hash in ``dvc.lock`` downstream. :func:`pin`, which ``vse`` calls before numpy or torch
+loads, makes the same choice on every x86-64 CPU (AVX2 is on every server CPU since 2013):
 
 =====================  ===========================  ===================================
 library                variable                     value
@@ -20,11 +17,10 @@ MKL                    ``MKL_CBWR``                  ``COMPATIBLE``: the one bra
 threads                ``OMP_NUM_THREADS``, ...      :data:`THREADS`
 =====================  ===========================  ===================================
 
-AVX2 is on every x86-64 server CPU since 2013. ``VSE_CPU_THREADS`` sets another thread
-count (faster on a large machine; floats then differ in their last bits from a run with
-another count), and ``VSE_CPU_KERNELS=native`` leaves every choice to the machine (the
-fastest; outputs then agree with another machine's only within a tolerance, which
-``vse store compare`` measures). CUDA kernels are not affected.
+``VSE_CPU_THREADS`` sets another thread count (faster; last bits then differ from a run
+with another count); ``VSE_CPU_KERNELS=native`` leaves every choice to the machine
+(fastest; outputs agree with another machine's only within a tolerance, which ``vse store
+compare`` measures). CUDA kernels are not affected.
 """
 
 from __future__ import annotations

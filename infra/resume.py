@@ -1,9 +1,6 @@
-"""Resumable training, shared by the detector (:mod:`features.detector.train`) and the
-retrieval models (:mod:`models.train`): what ``last.pt`` holds besides the run's own
-fields, how a ``--resume`` run restores it (so that it ends bit-identical to an
-uninterrupted run), and when a run writes it mid-epoch (:class:`StepCheckpoints`: every
-``checkpoint_every_steps`` steps or ``checkpoint_every_minutes`` minutes, and on SIGTERM or
-SIGINT, after which the run exits with :data:`RESUMABLE_EXIT`)."""
+"""Resumable training (:mod:`infra.trainer`): what ``last.pt`` holds besides the run's own
+fields, how ``--resume`` restores it (bit-identical to an uninterrupted run), and when a
+run writes it mid-epoch (:class:`StepCheckpoints`)."""
 
 from __future__ import annotations
 
@@ -41,11 +38,15 @@ def read_checkpoint(
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file: one line naming it
-        detail = one_line(err)
         raise error(
             f"{path}: not a checkpoint torch can read as plain data ({type(err).__name__}: "
-            f"{detail}); {hint}"
+            f"{one_line(err)}); {hint}"
         ) from None
+    return _holding(ckpt, needs, path, error, hint)
+
+
+def _holding(ckpt, needs, path, error: type[UserError], hint: str) -> dict:
+    """``ckpt`` if it is a dict with the keys ``needs``, else one line ``error``."""
     missing = [k for k in needs if not isinstance(ckpt, dict) or k not in ckpt]
     if not isinstance(ckpt, dict) or missing:
         raise error(f"{path}: not a checkpoint of this trainer (no {', '.join(missing)}); {hint}")
@@ -88,9 +89,8 @@ def restore_training(
     hint = "delete it or train without --resume"
     keys = ("state_dict", "optimizer", "scheduler", "rng", *needs)
     if ckpt is None:
-        ckpt = read_checkpoint(path, error, hint, keys)
-    elif missing := [k for k in keys if k not in ckpt]:
-        raise error(f"{path}: not a checkpoint of this trainer (no {', '.join(missing)}); {hint}")
+        ckpt = read_checkpoint(path, error, hint)
+    _holding(ckpt, keys, path, error, hint)
     for key, value in identity.items():
         if ckpt.get(key) != value:
             raise error(f"{path}: was trained with another {key}; {hint}")
@@ -143,17 +143,15 @@ def snapshot(value, memo: dict | None = None):
 
 
 class StepCheckpoints:
-    """When a run writes ``last.pt`` within an epoch: every ``every_steps`` steps (0: never)
-    and every ``every_minutes`` minutes (0: never), and after the step in progress when
-    SIGTERM or SIGINT arrives (:attr:`stopping`; the run then raises :class:`Preempted`).
-    A second signal exits at once (status 128 + signal). Handlers are installed only in
-    the main thread and restored by :meth:`close`.
+    """When a run writes ``last.pt`` within an epoch: every ``every_steps`` steps and every
+    ``every_minutes`` minutes (0: never), and after the step in progress when SIGTERM or
+    SIGINT arrives (:attr:`stopping`; the run then raises :class:`Preempted`); a second
+    signal exits at once (status 128 + signal). Handlers are installed only in the main
+    thread and restored by :meth:`close`.
 
-    :meth:`save` writes the checkpoints in the background: training waits only for a
-    :func:`snapshot` of the state (a copy in CPU memory); a thread writes it and renames
-    it into place (:func:`infra.files.save_torch`). A save waits for the one before it (so
-    the files land in order), as do a stop by a signal (:meth:`written`) and the end of
-    training (:meth:`wait`); a write that failed is one line ``error`` there."""
+    :meth:`save` writes in the background: training waits only for a :func:`snapshot`
+    (a CPU copy). Each save, a stop by a signal (:meth:`written`) and the end of training
+    (:meth:`wait`) wait for the write before; a write that failed is one line ``error``."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -202,9 +200,8 @@ class StepCheckpoints:
         try:
             save_torch(obj, path)
         except Exception as err:  # noqa: BLE001 - reported by wait(), in the training thread
-            detail = one_line(err)
             self._failed = (
-                f"{path}: writing the checkpoint failed ({type(err).__name__}: {detail}); "
+                f"{path}: writing the checkpoint failed ({type(err).__name__}: {one_line(err)}); "
                 "free disk space or fix the folder, then rerun with --resume (the "
                 "checkpoint before it is kept)"
             )

@@ -1,15 +1,12 @@
-"""The one resumable training loop, used by the retrieval models (:mod:`models.train`), the
+"""The one resumable training loop of the retrieval models (:mod:`models.train`), the
 detector (:mod:`features.detector.train`) and the Graph-RISE head
 (:mod:`features.images.graph_rise.model`).
 
-:class:`Trainer` owns what every trainer shares: resuming from ``last.pt`` (checked
-against the run's identity), the epoch loop, ``last.pt`` after every epoch and within one
-(:class:`infra.resume.StepCheckpoints`: every N steps or minutes, and on SIGTERM or SIGINT,
-after which the run exits with :data:`infra.resume.RESUMABLE_EXIT`), the history, and the
-agreement of all ranks under DDP. A trainer gives only its epoch (its steps, calling
-:meth:`Trainer.step_done` after each) and what its checkpoint holds besides the shared
-state (:attr:`Trainer.fields`). The shape is detectron2's ``TrainerBase`` with hooks,
-without the hook classes: the epoch function and ``end_epoch`` are the hooks.
+:class:`Trainer` owns resuming from ``last.pt`` (checked against the run's identity), the
+epoch loop, ``last.pt`` after and within epochs (:class:`infra.resume.StepCheckpoints`),
+the history and the agreement of all ranks under DDP. A trainer gives its epoch (calling
+:meth:`Trainer.step_done` after each step) and its own checkpoint fields. The shape is
+detectron2's ``TrainerBase``, the epoch function and ``end_epoch`` being the hooks.
 """
 
 from __future__ import annotations
@@ -78,17 +75,13 @@ class Trainer:
             self.log(f"{self.name}: resuming from {last} after epoch {ckpt['epoch']}")
         return ckpt
 
-    def state(self) -> dict:
-        """What :func:`infra.resume.training_state` saves (weights on the CPU, optimizer,
-        scheduler, RNG)."""
-        return training_state(self.model, self.optimizer, self.scheduler, self.device)
-
     def save(self, epoch_done: int, within: dict | None = None, state: dict | None = None):
         """Write ``last.pt`` (in the background) after ``epoch_done`` (-1: none yet) and, for
         a step checkpoint, ``within`` (the step's position in the next epoch)."""
         if self.last_path is None:
             return
-        state = self.state() if state is None else state
+        if state is None:
+            state = training_state(self.model, self.optimizer, self.scheduler, self.device)
         body = {"epoch": epoch_done, "history": self.history, "within": within}
         self.checkpoints.save({**self.identity, **state, **body, **self.fields()}, self.last_path)
 
@@ -153,7 +146,7 @@ class Trainer:
                     if end_epoch is not None:
                         end_epoch(epoch, row)
                     self.history.append(row)
-                    state = self.state()
+                    state = training_state(self.model, self.optimizer, self.scheduler, self.device)
                     self.save(epoch, state=state)
                     if after_save is not None:
                         after_save(epoch, row, state)

@@ -1,67 +1,42 @@
 """CAMERA: Context-Aware Multi-View Summarization Network for Image-Text Matching (Qu, Liu,
 Cao, Nie, Tian; ACM MM 2020).
 
-- AGSA, adaptive gating self-attention (eq. 1-7): multi-head scaled dot-product attention
-  whose per-head queries and keys are gated by sigmoid masks computed from the element-wise
-  product of their projections, then concatenated and added to the input (residual).
-- Image (sec. 3.2): region features through an FC (eq. 8); the 6-d absolute box code
-  (eq. 9) through an FC and a sigmoid (eq. 10), multiplied in; visual AGSA (eq. 11); the
-  pyramid dilated convolutions of Table 1 over the region sequence, concatenated (eq. 12);
-  an FC to N view logits and a softmax over the regions (eq. 13); the N views
+- AGSA, adaptive gating self-attention (eq. 1-7): multi-head attention whose queries and
+  keys are gated by sigmoid masks of the product of their projections, plus a residual.
+- Image (sec. 3.2): region FC (eq. 8); the 6-d box code (eq. 9) through an FC and a
+  sigmoid (eq. 10), multiplied in; visual AGSA (eq. 11); the pyramid dilated convolutions
+  of Table 1 (eq. 12); N view logits and a softmax over the regions (eq. 13); the N views
   ``S^T V`` (eq. 14), each L2-normalised: ``(B, N, D)``.
 - Text (sec. 3.3): frozen BERT token features through an FC (eq. 15), textual AGSA
-  (eq. 16), an MLP with a residual (eq. 17), the mean over the tokens (eq. 18),
-  L2-normalised: ``(B, D)``.
-- Score: the best view's cosine (eq. 19). Loss: the hardest-negative (MH) triplet loss
-  (eq. 20) plus ``lambda`` times the diversity regularisation (eq. 21-22). Scores and
-  the diversity term's Gram matrix are computed in float32 under autocast.
+  (eq. 16), an MLP with a residual (eq. 17), the token mean (eq. 18), normalised: ``(B, D)``.
+- Score: the best view's cosine (eq. 19). Loss: the MH triplet loss (eq. 20) plus
+  ``lambda`` times the diversity term (eq. 21-22); scores and the Gram matrix in float32.
 
-Reductions: both terms are summed over the batch, as in the official code (below). The
-triplet sum is VSE++'s; the diversity term ``||S^T S - I||_F^2`` is computed per image and
-summed too, so that eq. 22 (``L_R + lambda L_D`` per pair) holds for every pair of the batch
-and the weight ``lambda = 0.01`` does not shrink with the batch size.
+Both loss terms are summed over the batch (official code), the diversity term per image,
+so that eq. 22 holds per pair and ``lambda = 0.01`` does not shrink with the batch size.
+Padded regions and tokens are masked as attention keys, zeroed before the convolutions,
+and excluded from the region softmax (eq. 13), the diversity term and the text mean.
 
-Padding: padded regions and tokens are masked as attention keys, zeroed before the
-convolutions (so they act as the convolutions' zero padding), excluded from the softmax
-over regions (eq. 13), from the diversity term (zero rows of S) and from the text mean.
+Paper vs official code (``LgQu/CAMERA``; AGSA read in the fork ``LuminosityX/CAMERA``).
+Where they differ this file follows the paper:
 
-Paper vs official code. Read: ``LgQu/CAMERA`` ``model.py`` (``EncoderImagePrecompSelfAttn``,
-``CAMERA.train_emb``), ``models/TextEncoder.py``, ``data.py``, ``train.py``, ``evaluation.py``.
-Its ``models/`` package (AGSA, position encoder, summarization) and ``loss.py`` are not in the
-stored copy: AGSA was read in the fork ``LuminosityX/CAMERA`` (``models/AGSA.py``), whose
-``model.py`` is the official one plus comments and commented-out copies of
-``absoluteEncode``, ``PositionEncoder``, ``Summarization`` and ``MultiViewMatching``;
-``loss.py`` in a copy found by content search (repository not named). Where they differ
-this file follows the paper:
-
-- Q/K/V projections. Paper eq. 3: ``X W_i`` (no bias). Official ``GatedQueryAttLayer``:
-  ``nn.Linear(embed_size, embed_size)``, with biases. Ours: no bias.
-- AGSA output. Paper eq. 7: ``Concat(h_1..h_H) + X``. Official ``AGSA.forward``:
-  ``rgn_emb + dropout(BatchNorm(attention))``, and the residual is the region embedding
-  before the position gate (``x = rgn_emb * pos_emb`` enters the attention only), where
-  eq. 11 adds ``V * P~``. Ours: eq. 7 and 11, no BatchNorm.
-- Region normalisation. Official ``EncoderImagePrecompSelfAttn.forward`` L2-normalises each
-  region after the FC (eq. 8) and again after AGSA (eq. 11); the paper has neither. Ours:
-  only the N views (eq. 14) and the sentence (eq. 18) are normalised.
-- Region FC initialisation (the paper is silent). Official ``init_weights``: Xavier-uniform,
-  zero bias. Ours: PyTorch's default.
-- Box code (eq. 9). Paper and official ``absoluteEncode``: ``w_i / h_i`` in pixels; ours
-  too (the normalised box's ratio times the image's width / height, see ``box_code``).
-- Text MLP (eq. 17). Official ``TextEncoder.forward``: ``fc2(dropout(relu(fc1(t))))``, then
-  a BatchNorm, then the residual. Ours: eq. 17, no BatchNorm.
-- Padding. Official: no masks; 36 regions per image; captions cut to ``--max_words 32``
-  WordPieces with [CLS] and [SEP] (``data.py``, ``convert_to_feature``); the text AGSA is
-  called without a mask and the mean runs over all 32 positions, padding included. Ours:
-  padding masked (eq. 18 averages the L tokens), captions not cut.
-- Same as the official code: the gate maps shared by the heads (official ``fc_g``, one
-  ``d_k -> 2 d_k`` layer split into M^Q and M^K, is our two maps of eq. 5); a ReLU after
-  each dilated convolution (official ``Summarization``; eq. 12 writes none); dropout off
-  (``--drop`` 0.0); frozen BERT (``freeze_layers``); the views' max as the score
-  (``MultiViewMatching``); both loss terms summed over the batch.
-- Training (paper 4.2, official ``train.py`` and README): Adam, lr 1e-4, x0.1 every 10
-  epochs over 30 (Flickr30K) or every 20 over 40 (COCO), batch 128, gradient norm clipped
-  at 2. The official ``validate`` selects on R@1 + R@5 of both directions (not R@10) and
-  also runs every 500 steps. Ours: the shared ``train`` section, rsum once per epoch.
+- Q/K/V projections without bias (eq. 3; official ``GatedQueryAttLayer`` has biases).
+- AGSA output ``Concat(h_1..h_H) + X`` (eq. 7) and the residual ``V * P~`` (eq. 11), no
+  BatchNorm (official: ``rgn_emb + dropout(BatchNorm(attention))``, residual before the
+  position gate).
+- Only the N views (eq. 14) and the sentence (eq. 18) are L2-normalised (official: each
+  region too, after eq. 8 and eq. 11).
+- Region FC: PyTorch's default init (official: Xavier-uniform; the paper is silent).
+- Box code (eq. 9): ``w_i / h_i`` in pixels, as paper and official (see ``box_code``).
+- Text MLP (eq. 17) without the official BatchNorm.
+- Padding masked and captions not cut (official: no masks, 36 regions, 32 WordPieces, the
+  text mean over padding too).
+- As the official code: gate maps shared by the heads (official ``fc_g``); a ReLU after
+  each dilated convolution (eq. 12 writes none); no dropout; frozen BERT; the views' max
+  as the score; both loss terms summed.
+- Training (paper 4.2): Adam, lr 1e-4, x0.1 every 10 epochs over 30 (Flickr30K) or 20
+  over 40 (COCO), batch 128, clip 2; official selection on R@1 + R@5 every 500 steps.
+  Ours: the shared ``train`` section, rsum once per epoch.
 """
 
 from __future__ import annotations
@@ -123,13 +98,9 @@ def box_code(
     boxes: torch.Tensor, aspect: torch.Tensor | None = None, eps: float = 1e-3
 ) -> torch.Tensor:
     """Eq. 9: ``(B, R, 4)`` normalised x1, y1, x2, y2 -> ``(B, R, 6)``
-    ``(x/w, y/h, w_i/w, h_i/h, w_i/h_i, w_i h_i / (w h))``.
-
-    The boxes come divided by the image size; the aspect ratio ``w_i/h_i`` is that of the
-    box in pixels, as in the paper and the official ``absoluteEncode``: the normalised
-    box's ratio times the image's ``aspect (B,)`` (width / height). The height is clamped
-    at ``eps`` so that degenerate boxes give a large but finite ratio.
-    """
+    ``(x/w, y/h, w_i/w, h_i/h, w_i/h_i, w_i h_i / (w h))``. ``w_i/h_i`` is the box's ratio
+    in pixels (the normalised ratio times the image's ``aspect (B,)``, width / height); the
+    height is clamped at ``eps`` so that a degenerate box gives a finite ratio."""
     x1, y1, x2, y2 = boxes.unbind(-1)  # (B, R) each
     w = (x2 - x1).clamp_min(0)
     h = (y2 - y1).clamp_min(0)
@@ -142,12 +113,10 @@ def box_code(
 class AGSA(nn.Module):
     """Adaptive gating self-attention (eq. 1-7) over ``(B, n, D)`` with a key mask.
 
-    Eq. 3: ``Q_i, K_i, V_i = X W_i`` (one D x D map per role, split into H heads);
-    eq. 4: ``G_i = (Q_i W_G^Q + b) * (K_i W_G^K + b)``; eq. 5: ``M_i^{Q,K} = sigmoid(G_i
-    W_M^{Q,K} + b)``; eq. 6: attention (eq. 1) of the gated queries and keys;
-    eq. 7: ``Concat(h_1..h_H) + X``. The d_k x d_k gate maps are shared by the heads, as
-    the paper writes them without a head index.
-    """
+    Eq. 3: ``Q_i, K_i, V_i = X W_i`` (split into H heads); eq. 4: ``G_i = (Q_i W_G^Q + b) *
+    (K_i W_G^K + b)``; eq. 5: ``M_i^{Q,K} = sigmoid(G_i W_M^{Q,K} + b)``; eq. 6: attention
+    of the gated queries and keys; eq. 7: ``Concat(h_1..h_H) + X``. The gate maps are
+    shared by the heads (the paper writes them without a head index)."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -178,12 +147,8 @@ class AGSA(nn.Module):
 
 class Summarization(nn.Module):
     """Multi-view summarization logits (eq. 12-13 before the softmax): the pyramid dilated
-    convolutions of Table 1 over the region sequence, concatenated, then ``W_s s_i + b_s``.
-
-    A ReLU follows each convolution, as in the official ``Summarization`` (eq. 12 writes
-    none; a convolution layer without one would make eq. 12-13 a single linear map of the
-    regions).
-    """
+    convolutions of Table 1, each with a ReLU (official code; without it eq. 12-13 would be
+    one linear map), concatenated, then ``W_s s_i + b_s``."""
 
     def __init__(self, dim: int, views: int, kernels, dilations, channels):
         super().__init__()

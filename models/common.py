@@ -25,14 +25,9 @@ from infra.device import Device
 
 class TrainConfig(Section):
     """``train``: the loop settings shared by every model (``models.<name>`` holds each
-    model's own architecture and loss settings).
-
-    Data: batches are built ahead of the step by ``num_workers`` worker processes (0: by a
-    thread of the training process), ``prefetch`` batches ahead each (0 with no workers:
-    built in the loop). ``shards`` null reads the feature stores (memory-mapped); a
-    folder or ``s3://`` URL of shards built by ``vse shards build`` from the same stores
-    streams them instead (many machines), with a ``shuffle_buffer`` of captions.
-    """
+    model's own). Batches are built ahead by ``num_workers`` processes (0: a thread),
+    ``prefetch`` ahead each (0 with no workers: in the loop); ``shards`` (from ``vse shards
+    build``) streams the same samples instead of reading the stores."""
 
     epochs: PositiveInt = 30
     batch_size: PositiveInt = 128
@@ -152,14 +147,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def hinge_triplet(scores: torch.Tensor, margin: float, max_violation: bool) -> torch.Tensor:
-    """VSE++ ranking loss: MH (eq. 6) with ``max_violation``, else SH (eq. 5).
-
-    ``scores (B, B)`` holds s(i, c) for image i and caption c, positives on the diagonal.
-    Summed over the batch, as in the official code (``fartashf/vsepp``, ``model.py``,
-    ``ContrastiveLoss.forward``; the paper's eq. 4 writes a mean): each positive pair adds
-    ``[margin - s(i,c) + s(i,c')]_+`` over negative captions c' and
-    ``[margin - s(i,c) + s(i',c)]_+`` over negative images i' (or only the hardest of each).
-    """
+    """VSE++ ranking loss: MH (eq. 6) with ``max_violation``, else SH (eq. 5), on ``scores
+    (B, B)`` s(i, c) with positives on the diagonal: ``[margin - s(i,c) + s(i,c')]_+`` over
+    negative captions c' plus ``[margin - s(i,c) + s(i',c)]_+`` over negative images i' (or
+    the hardest of each); summed over the batch as the official ``ContrastiveLoss``."""
     diagonal = scores.diag().view(-1, 1)
     cost_caption = (margin + scores - diagonal).clamp(min=0)  # (B, B): row i, caption c'
     cost_image = (margin + scores - diagonal.t()).clamp(min=0)  # (B, B): image i', column c
@@ -172,14 +163,10 @@ def hinge_triplet(scores: torch.Tensor, margin: float, max_violation: bool) -> t
 
 
 class GRUText(nn.Module):
-    """Word ids -> embedding -> (Bi)GRU -> the hidden state at each caption's last word.
-
-    Used by VSE++ (one direction: mu(c) of eq. 2) and MV-VSE's BiGRU (``pool=False``
-    returns the per-word states). The BiGRU averages its two directions, as SCAN's
-    ``EncoderText`` does (``kuanghuei/SCAN``, ``model.py``); the stored files of GPO's code
-    (``woodfrog/vse_infty``) hold only its BERT text encoder, so its BiGRU was not checked.
-    Word embeddings start U(-0.1, 0.1), as in VSE++'s and SCAN's ``EncoderText``.
-    """
+    """Word ids -> embedding -> (Bi)GRU -> the hidden state at each caption's last word
+    (VSE++'s mu(c) of eq. 2), or every word's with ``pool=False`` (MV-VSE). The BiGRU
+    averages its two directions as SCAN's ``EncoderText``; word embeddings start
+    U(-0.1, 0.1) as in VSE++'s and SCAN's."""
 
     def __init__(
         self, vocab_size: int, word_dim: int, embed_size: int, bidirectional: bool = False

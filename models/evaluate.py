@@ -1,23 +1,16 @@
 """Evaluation under one protocol for every model (no per-model branches).
 
-- Retrieval on the whole split (Flickr30K 1K test, COCO 5K) and, when the split holds at
-  least two folds, the COCO 1K protocol (folds of ``fold_size`` = 1000 images, metrics
-  averaged, as VSE++ and its successors report MS-COCO 1K). Another fold size is warned
-  (its figures compare with no paper); images beyond the last whole fold are counted in
-  the report (``left_out``), as is the fold's chance level (``models.report.table``).
-- Robustness to text-domain adversarial captions (UniVSE 4.2): for each attack type
-  (object, attribute, relation) the fake captions join the real ones as candidates for
-  image-to-text retrieval, never as ground truth.
-- Models that classify (``classify(embedding, side) -> logits``, HUSE; ``side`` is
-  "image" or "text", for a model with a layer per modality) also get classification
-  accuracy (image, text, fused) and class-level retrieval R@K in the four directions (a
-  result is relevant when it has the query's class). Fused: HUSE sec. 4.5 fuses the two
-  softmaxes by "simple weighted averaging", ``w p_img + (1 - w) p_txt``, without giving
-  the weights; ours chooses ``w`` on the val split (:func:`fusion_weight`) and reports the
-  equal-weight figure beside it.
+- Retrieval on the whole split and, when it holds two folds or more, the COCO 1K protocol
+  (folds of ``fold_size`` = 1000 images, metrics averaged); another fold size is warned,
+  and the images left out and the fold's chance level are reported.
+- Robustness to adversarial captions (UniVSE 4.2): per attack (object, attribute,
+  relation) the fakes join the real captions as image-to-text candidates, never as truth.
+- Models with ``classify(embedding, side)`` (HUSE) also get classification accuracy
+  (image, text, fused) and class-level R@K in four directions. HUSE sec. 4.5 fuses the two
+  softmaxes as ``w p_img + (1 - w) p_txt`` without giving ``w``: ours is chosen on val
+  (:func:`fusion_weight`), the equal-weight figure reported beside it.
 
-Embeddings and scores must be finite: a NaN or infinite one is an error naming the image
-or caption (its key), never a number in the report.
+A NaN or infinite embedding or score is an error naming the image or caption.
 """
 
 from __future__ import annotations
@@ -57,16 +50,23 @@ class EvaluateConfig(Section):
 
 
 @torch.no_grad()
-def _encode(encode, kind: str, n: int, batch_size: int, batches) -> torch.Tensor:
-    """``encode`` of items ``0..n-1`` of ``batches.source`` in batches of ``kind``, read
-    through the data path of training (:class:`models.data.batches.Batches`)."""
+def _encode(model, data, kind: str, n: int, batch_size: int, device, batches) -> torch.Tensor:
+    """``model.encode_<kind>`` of items ``0..n-1`` of ``data``, read through the data path of
+    training (``batches``, a :class:`models.data.batches.Batches` of ``data``, or a new one
+    on a thread); a non-finite embedding is refused."""
+    from models.data.batches import Batches
+
     idx = np.arange(n)
     tasks = [(kind, idx[i : i + batch_size]) for i in range(0, n, batch_size)]
     out = []
-    for batch in batches.run(tasks):
-        with autocast(batches.device):
-            out.append(encode(batch).float())
-    return torch.cat(out)
+    with nullcontext(batches) if batches is not None else Batches(data, device) as b:
+        for batch in b.run(tasks):
+            with autocast(b.device):
+                out.append(getattr(model, f"encode_{kind}")(batch).float())
+    emb = torch.cat(out)
+    what = "image" if kind == "image" else "caption"
+    refuse_non_finite_embeddings(emb, getattr(data, f"{what}_keys", None), what)
+    return emb
 
 
 def refuse_non_finite_embeddings(embeddings: torch.Tensor, keys, what: str) -> None:
@@ -84,28 +84,15 @@ def refuse_non_finite_embeddings(embeddings: torch.Tensor, keys, what: str) -> N
     )
 
 
-def _batches(data, device, batches):
-    """``batches`` as a context manager, or a new :class:`models.data.batches.Batches` of ``data``
-    (a thread) that is closed after use."""
-    from models.data.batches import Batches
-
-    return nullcontext(batches) if batches is not None else Batches(data, device)
-
-
 def encode_images(model, data, batch_size: int, device, batches=None) -> torch.Tensor:
     """``(n_images, ...)`` image embeddings of ``data`` (a ``Batches`` of it, or a thread)."""
-    with _batches(data, device, batches) as b:
-        img = _encode(model.encode_image, "image", data.n_images, batch_size, b)
-    refuse_non_finite_embeddings(img, getattr(data, "image_keys", None), "image")
-    return img
+    return _encode(model, data, "image", data.n_images, batch_size, device, batches)
 
 
 def encode_texts(model, data, batch_size: int, device, n: int | None = None, batches=None):
     """``(n_captions, D)`` caption embeddings of ``data`` (the first ``n`` if given)."""
-    with _batches(data, device, batches) as b:
-        txt = _encode(model.encode_text, "text", len(data) if n is None else n, batch_size, b)
-    refuse_non_finite_embeddings(txt, getattr(data, "caption_keys", None), "caption")
-    return txt
+    n = len(data) if n is None else n
+    return _encode(model, data, "text", n, batch_size, device, batches)
 
 
 def evaluate_split(model, data, batch_size: int, device, batches=None) -> dict[str, float]:
@@ -205,16 +192,12 @@ def adversarial_metrics(
 ) -> dict:
     """Image-to-text retrieval with each attack's fake captions added as candidates."""
     fake = encode_texts(model, adversarial, batch_size, device, batches=batches)
+    real = torch.from_numpy(data.caption_image).to(device)
     out = {}
     for attack in sorted(set(adversarial.attacks)):
         cols = torch.from_numpy(np.flatnonzero(adversarial.attacks == attack)).to(device)
         candidates = torch.cat([txt, fake[cols]])
-        c2i = torch.cat(
-            [
-                torch.from_numpy(data.caption_image).to(device),
-                torch.full((len(cols),), -1, dtype=torch.long, device=device),
-            ]
-        )
+        c2i = torch.cat([real, torch.full((len(cols),), -1, dtype=torch.long, device=device)])
         sims = similarity_matrix(model.similarity, img, candidates)
         metrics = retrieval_metrics(sims, c2i)
         out[attack] = {k: v for k, v in metrics.items() if k.startswith("i2t")}

@@ -1,53 +1,34 @@
 """HUSE: Hierarchical Universal Semantic Embeddings (Narayana, Pednekar, Krishnamoorthy,
-Sone, Basu; arXiv 2019). The paper's equations, as numbered below, in the forms this
-module implements.
+Sone, Basu; arXiv 2019).
 
-- Towers (Sec. 3.2): the image tower is ``image_layers`` fully connected layers of
-  ``hidden`` units (paper: 5 x 512) on the precomputed global image feature, the text
-  tower ``text_layers`` such layers (paper: 2 x 512) on the HUSE document feature
-  (concatenated with the dense TF-IDF vector when ``use_tfidf``). ReLU and dropout 0.15 sit
-  between layers (Sec. 4.1.3: "between all hidden layers"); the last layer is linear and
-  its output is L2-normalised: the universal embedding u on the unit sphere.
-- Shared classification layer (eqs. 6-7): one FC layer ``hidden -> n_classes`` applied to
-  the image and the text embeddings separately (``shared_classifier=False`` gives each
-  modality its own layer, an ablation, not the paper's model).
-- Semantic graph (eq. 4): A[c, c'] = cosine distance between class-name embeddings
-  (Sentence-BERT here, Universal Sentence Encoder in the paper), given by the data as
-  ``DataInfo.class_distances`` and kept as a persistent buffer.
-- Loss (eq. 5): L = a1 L_class + a2 L_graph + a3 L_gap with
-  L_class (eq. 8): softmax cross entropy, averaged over the 2B image and text items;
-  L_graph (eqs. 9-11): 1/N^2 sum_ij s_ij (d(u_i, u_j) - A[y_i, y_j])^2,
-  s_ij = 1 if A[y_i, y_j] < m or d(u_i, u_j) < m else 0, d(u, v) = 1 - cos(u, v);
-  L_gap (eq. 12): 1/B sum_b d(u_img_b, u_txt_b).
-- Retrieval score: the cosine between universal embeddings (Sec. 3.1's distance).
+- Towers (sec. 3.2): ``image_layers`` FC layers of ``hidden`` units (paper: 5 x 512) on the
+  global image feature; ``text_layers`` (paper: 2 x 512) on the HUSE document feature, ++
+  the dense TF-IDF vector with ``use_tfidf`` (sec. 4.1.1). ReLU and dropout 0.15 between
+  layers (sec. 4.1.3); the last layer is linear and L2-normalised: the embedding u.
+- Shared classification layer (eqs. 6-7), ``hidden -> n_classes`` on both modalities
+  (``shared_classifier=False``: one per modality, an ablation).
+- Semantic graph (eq. 4): A[c, c'] = cosine distance of class-name embeddings
+  (Sentence-BERT here, the Universal Sentence Encoder in the paper), ``DataInfo.class_distances``.
+- Loss (eq. 5): L = a1 L_class + a2 L_graph + a3 L_gap with L_class (eq. 8) the mean
+  cross entropy over the 2B items; L_graph (eqs. 9-11) = 1/N^2 sum_ij s_ij (d(u_i, u_j) -
+  A[y_i, y_j])^2, s_ij = 1 if A[y_i, y_j] < m or d(u_i, u_j) < m, d = 1 - cos;
+  L_gap (eq. 12) = 1/B sum_b d(u_img_b, u_txt_b).
+- Retrieval score: the cosine (sec. 3.1).
 
-Choices where the paper is silent: a1 = a2 = a3 = 1.0 (no values are stated); margin
-m = 0.5, about the smallest cosine distance between Sentence-BERT (all-MiniLM-L6-v2)
-embeddings of distinct class names (demo shapes: 0.44..0.83, median 0.59; ten Food-101
-names: 0.46..0.86, median 0.70), so that the graph is matched exactly within a class and
-for the closest class pairs, and the other class pairs are held at least m apart.
+No official code was found (``AnkushMalaker/HUSE`` is not the authors'). Choices where the
+paper is silent or not followed:
 
-Paper vs official code: no official code was found (the only public implementation seen,
-``AnkushMalaker/HUSE``, is not the authors'). Other places where ours is not the paper's
-setting, or the paper leaves the choice open:
-
-- Text input. Sec. 4.1.1 feeds the text tower BERT ++ TF-IDF, as ``use_tfidf`` (on by
-  default) does; ``use_tfidf: false`` gives the document feature alone.
-- Image input. The paper uses 64-d Graph-RISE embeddings (Juan et al. 2019), which Google
-  never released. The DAG gives HUSE stage ``graph_rise``'s store
-  (:mod:`features.images.graph_rise`): a small-scale reproduction of the method, a 64-d
-  head on the frozen pooled trunk feature trained on scene-graph labels with the Neural
-  Graph Machines regulariser; ``graph_rise.output: pca`` puts the global store's PCA-64
-  there instead (the ablation).
-- Training (sec. 4.1.3): RMSProp, lr 1.6192e-5, momentum 0.9, batches of 1024, 250,000
-  steps. Ours: the shared ``train`` section (AdamW, step decay, gradient clipping, which the
-  paper does not mention).
-- Fused classification (sec. 4.5): the two softmaxes by "simple weighted averaging", the
-  weights not given. Ours (``models.evaluate.fusion_weight``): the image weight with the
-  best fused accuracy on val (0 to 1, step 0.05), applied to the evaluated split; the
-  equal-weight accuracy is reported beside it.
-- Tower depth: "5 hidden layers of 512" is read as 5 FC layers of 512, the last one the
-  linear, normalised embedding (so D = 512).
+- a1 = a2 = a3 = 1.0; margin m = 0.5, about the smallest cosine distance between
+  Sentence-BERT embeddings of distinct class names (demo shapes 0.44..0.83; ten Food-101
+  names 0.46..0.86), so the graph is matched within a class and for the closest pairs.
+- Image input: the paper's 64-d Graph-RISE embeddings were never released; the DAG gives
+  stage ``graph_rise``'s small-scale reproduction (:mod:`features.images.graph_rise`), or
+  the global store's PCA-64 with ``graph_rise.output: pca`` (the ablation).
+- Training: the shared ``train`` section (paper sec. 4.1.3: RMSProp, lr 1.6192e-5,
+  momentum 0.9, batch 1024, 250,000 steps).
+- Fused classification (sec. 4.5, weights not given): the image weight with the best fused
+  accuracy on val (``models.evaluate.fusion_weight``), equal weights reported beside it.
+- "5 hidden layers of 512" is read as 5 FC layers, the last the embedding (D = 512).
 """
 
 from __future__ import annotations
@@ -125,12 +106,9 @@ def gap_loss(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
 
 
 class HUSE(nn.Module):
-    """The HUSE model (see the module docstring).
-
-    ``inputs`` depends on the config (``tfidf`` only with ``use_tfidf``), so it is set per
-    instance; :meth:`inputs_for` gives it from a config before the model is built (the
-    data must be opened first to size the towers).
-    """
+    """The HUSE model (see the module docstring). ``inputs`` depends on the config
+    (``tfidf`` only with ``use_tfidf``): set per instance, and by :meth:`inputs_for` before
+    the model is built."""
 
     name = "huse"
     Config = HUSEConfig

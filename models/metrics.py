@@ -1,16 +1,11 @@
 """One definition of cross-modal retrieval metrics, shared by every model.
 
-``retrieval_metrics(sims, caption_to_image)`` takes the similarity matrix (images x
-captions) and each caption's image. A query's rank is the number of candidates that score
-strictly higher than its best ground truth: the optimistic tie rule (a ground truth tied
-with a negative counts as ranked first among them). R@K is in percent; medr and meanr are
-1-based. Captions whose image is ``-1`` are distractors (e.g. adversarial captions): they
-are candidates for image-to-text queries and never ground truth, and are not queries.
-A NaN or infinite score is refused (:class:`NonFiniteError`), never ranked: a NaN never
-compares greater, so it would rank first and inflate every recall.
-
-The work is a few passes over the matrix in chunks, on the matrix's device, so evaluating
-5K images x 25K captions costs little more than the matrix product itself.
+``retrieval_metrics(sims, caption_to_image)``: a query's rank is the number of candidates
+scoring strictly higher than its best ground truth (ties count in its favour). R@K in
+percent; medr and meanr 1-based. Captions of image ``-1`` are distractors: candidates for
+image-to-text queries, never ground truth nor queries. A NaN or infinite score is refused
+(:class:`NonFiniteError`): a NaN never compares greater, so it would rank first. The work is
+a few chunked passes over the matrix on its device.
 """
 
 from __future__ import annotations

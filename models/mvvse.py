@@ -14,17 +14,15 @@ CVPR 2021; vse_infty), as in the paper's experiments ("GPO (MV-VSE)").
   ``loss`` selects one of them (the ablation of Table 3). With K = 1 every one of them is
   the VSE++ MH loss (eq. 7).
 
-Reading of the paper: the text of eq. 8, 10 and 13 lost its symbols; they are taken as
-``1/K sum_k`` (which makes eq. 14, L_Max <= L_Up <= L_Up-Rough, hold), with the hardest
-negatives of eq. 10-12 chosen by s* as in eq. 9, and the indicators as constants.
+Eq. 8, 10 and 13 lost their symbols in the text; they are read as ``1/K sum_k`` (so that
+eq. 14, L_Max <= L_Up <= L_Up-Rough, holds), the hardest negatives of eq. 10-12 by s* as in
+eq. 9, the indicators constants.
 
-Where this follows the paper rather than the official code (``AAA-Zheng/MV-VSE``, GPO's
-``woodfrog/vse_infty``): K = 3 GPO views on GPO's region encoder (official: K = 2 linear
-views with max pooling); the overall loss is eq. 15 as written, 0.7 L_Max + 0.3 L_Up with
-the indicators of eq. 11-12 (official: 0.7 on a rough Up term); losses summed over the batch
-and both directions, averaged over views; hardest negatives from the first step, no data
-augmentation, BatchNorm over valid regions only, frozen BERT token features. The full
-comparison, file by file, is in ``docs/explanation/mvvse-official-code.md``.
+Following the paper rather than the official code (``AAA-Zheng/MV-VSE`` on GPO's
+``woodfrog/vse_infty``): K = 3 GPO views (official: K = 2 linear views, max pooling); eq. 15
+as written, with the indicators of eq. 11-12 (official: a rough Up term); hardest negatives
+from the first step; no data augmentation; BatchNorm over valid regions only; frozen BERT
+features. The comparison file by file: ``docs/explanation/mvvse-official-code.md``.
 """
 
 from __future__ import annotations
@@ -278,12 +276,9 @@ class MVVSE(nn.Module):
         img, txt = self.encode_image(batch), self.encode_text(batch)  # (B, K, D), (B, D)
         scores = view_scores(img, txt)  # (B, B, K): s(v_k, t), eq. 5
         margin, loss = self.cfg.margin, self.cfg.loss
-        if loss == "avg":
-            return {"loss": mv_avg_triplet(scores, margin)}
-        if loss == "max":
-            return {"loss": mv_max_triplet(scores, margin)}
-        if loss == "up":
-            return {"loss": mv_up_triplet(scores, margin)}
+        single = {"avg": mv_avg_triplet, "max": mv_max_triplet, "up": mv_up_triplet}
+        if loss in single:
+            return {"loss": single[loss](scores, margin)}
         max_, up = mv_max_triplet(scores, margin), mv_up_triplet(scores, margin)
         lam = self.cfg.lambda_
         return {"loss": lam * max_ + (1 - lam) * up, "max": max_.detach(), "up": up.detach()}

@@ -2,18 +2,12 @@
 or ``torchrun`` (DDP), resumable to the exact result of an uninterrupted run.
 
 Per epoch: the training captions in an order seeded by ``(seed, epoch)``, split evenly
-over the ranks (or, from WebDataset shards, each rank's stream of them); after each epoch
-rank 0 evaluates on the validation split (rsum), writes ``last.pt`` (everything needed to
-resume) and, when rsum improves, ``best.pt`` (the model only). A non-finite loss stops
-training with an error naming its epoch and step; the last good checkpoint stays.
-
-Batches are built ahead of the step (:class:`models.data.batches.Batches`: ``train.num_workers``
-processes or a thread, ``train.prefetch`` deep) and the step does not wait for the device:
-loss parts are summed on the device, and the non-finite check (a flag kept on the
-device) is read every ``CHECK_EVERY`` steps and at the end of the epoch.
-
-Checkpoints are plain data: ``{model, config, info, state_dict, ...}`` loaded with
-``weights_only=True``.
+over the ranks (or each rank's stream of shards); then rank 0 evaluates on val (rsum),
+writes ``last.pt`` and, when rsum improves, ``best.pt`` (the model only). Batches are built
+ahead of the step (:class:`models.data.batches.Batches`), and the step does not wait for
+the device: loss parts are summed there, and a non-finite loss (a flag on the device,
+read every ``CHECK_EVERY`` steps) stops training naming its epoch and step. Checkpoints are
+plain data, ``{model, config, info, state_dict, ...}``, loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -69,25 +63,21 @@ def load_checkpoint(
         raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
     from models.registry import MODELS, model_class
 
-    def refuse(what: str, err: BaseException | None = None) -> TrainingError:
-        detail = f" ({type(err).__name__}: {one_line(err)})" if err else ""
-        return TrainingError(
-            f"{path}: {what}{detail}; give best.pt or last.pt as `vse train` writes them "
-            "(dvc repro train@MODEL)"
-        )
-
     hint = "give best.pt or last.pt as `vse train` writes them (dvc repro train@MODEL)"
     ckpt = read_checkpoint(path, TrainingError, hint, ("model", "config", "info", "state_dict"))
-    if ckpt["model"] not in MODELS:
-        raise refuse(f"a checkpoint of unknown model {ckpt['model']!r}")
+    name = ckpt["model"]
+    if name not in MODELS:
+        raise TrainingError(f"{path}: a checkpoint of unknown model {name!r}; {hint}")
     try:
-        config = model_class(ckpt["model"]).Config.model_validate(ckpt["config"])
+        config = model_class(name).Config.model_validate(ckpt["config"])
         info = DataInfo(**ckpt["info"])
-        model = build_model(ckpt["model"], config, info)
+        model = build_model(name, config, info)
         model.load_state_dict(ckpt["state_dict"])
     except Exception as err:  # noqa: BLE001 - config, sizes or weights that do not fit
-        what = f"a {ckpt['model']} checkpoint whose config or weights do not load"
-        raise refuse(what, err) from None
+        raise TrainingError(
+            f"{path}: a {name} checkpoint whose config or weights do not load "
+            f"({type(err).__name__}: {one_line(err)}); {hint}"
+        ) from None
     return model.to(device).eval(), info
 
 
@@ -228,8 +218,18 @@ def train(
         ckpt = trainer.resume(saved)
         if ckpt is not None:
             best["rsum"] = ckpt["best_rsum"]
-            if trainer.within is not None:
-                _check_within(trainer.within, last_path, world, train_data, cfg)
+            # a stream (shards) goes on mid-epoch only on as many ranks as wrote it
+            wrote = len((trainer.within or {}).get("positions") or [None])
+            if (
+                trainer.within is not None
+                and hasattr(train_data, "epoch_stream")
+                and wrote != world
+            ):
+                raise TrainingError(
+                    f"{last_path}: written mid-epoch by {wrote} ranks streaming shards; resume "
+                    f"on {wrote} ranks, or let the epoch finish (train.shards: streams are "
+                    "dealt per rank)"
+                )
 
     wrapped: nn.Module = _LossOf(model)
     if world > 1:
@@ -238,11 +238,12 @@ def train(
         )
     batches = Batches(train_data, device, num_workers=cfg.num_workers, prefetch=cfg.prefetch)
     val_batches = Batches(val_data, device, prefetch=cfg.prefetch)  # a thread: small, per epoch
-    run = _Epochs(trainer, wrapped, batches, cfg)
     timing = {}
 
     def run_epoch(epoch: int, within: dict | None) -> dict:
-        row, timing["seconds"], timing["seen"] = run.epoch(epoch, within)
+        row, timing["seconds"], timing["seen"] = _epoch(
+            trainer, wrapped, batches, cfg, epoch, within
+        )
         return row
 
     def end_epoch(epoch: int, row: dict) -> None:  # rank 0: select on val
@@ -288,107 +289,89 @@ def _elastic(cfg: TrainConfig, saved: dict, world: int, data, path: Path, log) -
     return cfg.model_copy(update={"batch_size": total // world})
 
 
-def _check_within(within: dict, path: Path, world: int, data, cfg: TrainConfig) -> dict:
-    """A step checkpoint's position, for this run: a stream (shards) goes on only on as
-    many ranks as wrote it; a map-style epoch on any number (elastic)."""
-    positions = within.get("positions") or [None]
-    if hasattr(data, "epoch_stream") and len(positions) != world:
-        raise TrainingError(
-            f"{path}: written mid-epoch by {len(positions)} ranks streaming shards; resume on "
-            f"{len(positions)} ranks, or let the epoch finish (train.shards: streams are "
-            "dealt per rank)"
-        )
-    return within
+def _epoch(
+    trainer: Trainer, wrapped: nn.Module, batches, cfg: TrainConfig, epoch: int, within
+) -> tuple[dict, float, int]:
+    """One epoch of optimizer steps (from a step checkpoint's ``within``: from its next
+    batch); returns the history row (mean loss parts, lr), the seconds it took and the
+    pairs seen (all ranks). No step waits for the device: the loss parts are summed
+    there, and the non-finite flag is read every ``CHECK_EVERY`` steps (a non-finite
+    step is reported by its own epoch and step; the steps after it only touch
+    weights that are never saved). Between steps, the trainer decides when ``last.pt``
+    is written (all ranks agree)."""
+    from models.data.batches import Stream
 
-
-class _Epochs:
-    """The retrieval models' epochs on a :class:`infra.trainer.Trainer`."""
-
-    def __init__(self, trainer: Trainer, wrapped: nn.Module, batches, cfg: TrainConfig):
-        self.trainer, self.wrapped, self.batches, self.cfg = trainer, wrapped, batches, cfg
-
-    def epoch(self, epoch: int, within: dict | None) -> tuple[dict, float, int]:
-        """One epoch of optimizer steps (from a step checkpoint's ``within``: from its next
-        batch); returns the history row (mean loss parts, lr), the seconds it took and the
-        pairs seen (all ranks). No step waits for the device: the loss parts are summed
-        there, and the non-finite flag is read every ``CHECK_EVERY`` steps (a non-finite
-        step is reported by its own epoch and step; the steps after it only touch
-        weights that are never saved). Between steps, the trainer decides when ``last.pt``
-        is written (all ranks agree)."""
-        from models.data.batches import Stream
-
-        trainer, cfg = self.trainer, self.cfg
-        name, device, world, rank = trainer.name, trainer.device, trainer.world, trainer.rank
-        model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
-        last_path = trainer.last_path
-        tasks = epoch_tasks(self.batches.source, cfg, epoch, rank, world)
-        steps = _steps(tasks)
-        t0, seen, done, first = time.perf_counter(), 0, 0, 0
-        sums: dict[str, torch.Tensor] = {}
-        if within is not None:  # the skip is computed: no batch before it is built
-            first, seen = within["step"], within["seen"]
-            sums = {k: v.to(device) for k, v in within["sums"].items()}
-            if isinstance(tasks, Stream):
-                tasks = Stream(tasks.spec, tasks.steps, within["positions"][rank])
-            else:
-                tasks = tasks[first:]
-        first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first
-        bad_loss = torch.zeros((), dtype=torch.float32, device=device)  # and its loss
-        model.train()
-        stream = self.batches.run(tasks)
-        try:
-            for step, batch in enumerate(stream, first):
-                batch["epoch"] = epoch
-                with autocast(device):
-                    parts = self.wrapped(batch)
-                loss = parts["loss"]
-                newly = ~torch.isfinite(loss.detach()) & (first_bad < 0)
-                first_bad = torch.where(newly, step, first_bad)
-                bad_loss = torch.where(newly, loss.detach().float(), bad_loss)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                for key, value in parts.items():  # summed on the device, in float64
-                    total = sums.get(key)
-                    value = value.detach().double()
-                    sums[key] = value if total is None else total + value
-                seen += _batch_size(batch) * world
-                done = step + 1
-                if done % CHECK_EVERY == 0 or done == steps:
-                    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
-                if rank == 0 and done % max(1, steps // 4) == 0:
-                    rate = seen / (time.perf_counter() - t0)
-                    trainer.log(
-                        f"{name} epoch {epoch} step {done}/{steps} "
-                        f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
-                    )
-                trainer.step_done(
-                    epoch,
-                    done,
-                    steps,
-                    lambda seen=seen: {
-                        "seen": seen,
-                        "world": world,
-                        "sums": {k: v.cpu() for k, v in sums.items()},
-                        "position": self.batches.position,
-                    },
-                    lambda bad=first_bad, value=bad_loss: _stop_if_nonfinite(
-                        name, bad, value, epoch, world, last_path
-                    ),
+    name, device, world, rank = trainer.name, trainer.device, trainer.world, trainer.rank
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
+    last_path = trainer.last_path
+    tasks = epoch_tasks(batches.source, cfg, epoch, rank, world)
+    steps = _steps(tasks)
+    t0, seen, done, first = time.perf_counter(), 0, 0, 0
+    sums: dict[str, torch.Tensor] = {}
+    if within is not None:  # the skip is computed: no batch before it is built
+        first, seen = within["step"], within["seen"]
+        sums = {k: v.to(device) for k, v in within["sums"].items()}
+        if isinstance(tasks, Stream):
+            tasks = Stream(tasks.spec, tasks.steps, within["positions"][rank])
+        else:
+            tasks = tasks[first:]
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first
+    bad_loss = torch.zeros((), dtype=torch.float32, device=device)  # and its loss
+    model.train()
+    stream = batches.run(tasks)
+    try:
+        for step, batch in enumerate(stream, first):
+            batch["epoch"] = epoch
+            with autocast(device):
+                parts = wrapped(batch)
+            loss = parts["loss"]
+            newly = ~torch.isfinite(loss.detach()) & (first_bad < 0)
+            first_bad = torch.where(newly, step, first_bad)
+            bad_loss = torch.where(newly, loss.detach().float(), bad_loss)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            for key, value in parts.items():  # summed on the device, in float64
+                total = sums.get(key)
+                value = value.detach().double()
+                sums[key] = value if total is None else total + value
+            seen += _batch_size(batch) * world
+            done = step + 1
+            if done % CHECK_EVERY == 0 or done == steps:
+                _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+            if rank == 0 and done % max(1, steps // 4) == 0:
+                rate = seen / (time.perf_counter() - t0)
+                trainer.log(
+                    f"{name} epoch {epoch} step {done}/{steps} "
+                    f"loss {float(loss.detach()):.4f} ({rate:.0f} pairs/s)"
                 )
-        finally:
-            stream.close()
-        if done != steps:
-            raise TrainingError(
-                f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
-                "shards (vse shards build) or train from the stores (train.shards: null)"
+            trainer.step_done(
+                epoch,
+                done,
+                steps,
+                lambda seen=seen: {
+                    "seen": seen,
+                    "world": world,
+                    "sums": {k: v.cpu() for k, v in sums.items()},
+                    "position": batches.position,
+                },
+                lambda bad=first_bad, value=bad_loss: _stop_if_nonfinite(
+                    name, bad, value, epoch, world, last_path
+                ),
             )
-        _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
-        row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
-        row["lr"] = optimizer.param_groups[0]["lr"]
-        return row, time.perf_counter() - t0, seen
+    finally:
+        stream.close()
+    if done != steps:
+        raise TrainingError(
+            f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
+            "shards (vse shards build) or train from the stores (train.shards: null)"
+        )
+    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+    row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
+    row["lr"] = optimizer.param_groups[0]["lr"]
+    return row, time.perf_counter() - t0, seen
 
 
 def _batch_size(batch: dict) -> int:
@@ -430,18 +413,6 @@ def write_history(history: list[dict], metrics: Path | None, plot: Path | None) 
         write_json(plot, [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in history])
 
 
-def class_embedder(cfg) -> Callable[[list[str]], np.ndarray]:
-    """Sentence-BERT embeddings of class names (HUSE's semantic graph), offline, on the CPU
-    (``cfg``: the ``sbert`` section)."""
-
-    def embed(names: list[str]) -> np.ndarray:
-        from features.text.sbert_stats import sbert_encoder
-
-        return sbert_encoder(cfg.model_copy(update={"device": "cpu"}))(names)
-
-    return embed
-
-
 def train_stage(
     name: str,
     model_config: Section,
@@ -462,9 +433,15 @@ def train_stage(
     from models.data.shards import ShardData
     from models.registry import model_inputs
 
+    def embed(names: list[str]) -> np.ndarray:  # class names for HUSE's graph, on the CPU
+        from features.text.sbert_stats import sbert_encoder
+
+        return sbert_encoder(sbert.model_copy(update={"device": "cpu"}))(names)
+
     inputs = model_inputs(name, model_config)
-    embedder = class_embedder(sbert) if "labels" in inputs else None
-    train_data = PairData(paths, "train", inputs, class_embedder=embedder)
+    train_data = PairData(
+        paths, "train", inputs, class_embedder=embed if "labels" in inputs else None
+    )
     val_data = PairData(paths, "val", inputs)
     log(
         f"train {name}: {len(train_data)} train captions ({train_data.n_images} images), "

@@ -1,51 +1,34 @@
 """UniVSE: Unified Visual-Semantic Embeddings: Bridging Vision and Language with Structured
 Meaning Representations (Wu, Jiang, Mao, Ma, Wang; CVPR 2019).
 
-- Words (sec. 3.2): every vocabulary word has a basic embedding ``w^(basic)`` (d_basic,
-  initialised from GloVe when ``load_glove`` + ``init_basic_embeddings`` are used, random
-  otherwise) and a modifier embedding ``w^(modif)`` (d_modif, random, learned).
-- phi, the gated fusion (sec. 3.2): ``phi(w) = Norm(sigmoid(W1 w + b1) * tanh(W2 w + b2))``
-  on ``w_n = w_n^(basic) (+) w_n^(modif)`` for a noun (u_obj) and on
-  ``w_{a,n} = w_n^(basic) (+) w_a^(modif)`` for an (adjective, noun) pair (u_attr).
-- psi, the combiner (sec. 3.2): one uni-directional GRU, its L2-normalised last state;
-  ``u_rel = psi(phi(w_s), phi(w_r), phi(w_o))`` and ``u_sent = psi(phi(w_1), .., phi(w_k))``.
-  phi and psi are shared by all semantic levels.
-- ``u_comp = Norm(Phi({u_obj} u {u_attr} u {u_rel}))`` with Phi the sum (sec. 3.2; sum and
-  mean give the same direction, and Norm removes the length), and the caption
-  ``u_cap = alpha u_sent + (1 - alpha) u_comp``, alpha = 0.75 (sec. 3.2, Fig. 5).
-- Image (sec. 3.3): the 1x1 convolution on the CNN grid is a Linear on the ``(B, G, Dg)``
-  cell set, giving the local region embeddings V ``(B, G, d)``; the image embedding is the
-  global average pooling of V, L2-normalised. The score is the cosine.
-- Negatives (sec. 3.4): nouns not in the caption (nor, following footnote 2, in the
-  batch's other captions of the same image); (adjective, noun) pairs with the adjective
-  or the noun substituted; relational triples with the subject, the predicate or the
-  object substituted. Sampled from ``DataInfo.negatives``; a negative always differs from
-  the positive it replaces; one that cannot (an exhausted vocabulary) is dropped from the
-  loss.
-- Losses: eq. 1 (bidirectional ranking loss with hardest negatives, F = max) for
-  ``l_sent`` (u_sent vs v) and ``l_comp`` (u_comp vs v); eq. 1 with only textual
-  negatives (footnote 3) for ``l_rel``: the sampled triple and the triples of the batch's
-  other captions; eq. 2-3 (relevance-weighted region alignment) for ``l_obj`` and
-  ``l_attr``; eq. 4 combines them with the eta schedule of sec. 3.5 (``UniVSE.etas``).
+- Words (sec. 3.2): a basic embedding ``w^(basic)`` (d_basic, from GloVe with ``glove``,
+  else random) and a modifier embedding ``w^(modif)`` (d_modif, learned) per word.
+- phi (sec. 3.2): ``Norm(sigmoid(W1 w + b1) * tanh(W2 w + b2))`` on ``w_n^(basic) (+)
+  w_n^(modif)`` for a noun (u_obj), ``w_n^(basic) (+) w_a^(modif)`` for an (adjective,
+  noun) pair (u_attr).
+- psi (sec. 3.2): one GRU, its normalised last state; ``u_rel = psi(phi(w_s), phi(w_r),
+  phi(w_o))``, ``u_sent = psi(phi(w_1), .., phi(w_k))``. phi and psi are shared by all levels.
+- ``u_comp = Norm(sum of u_obj, u_attr, u_rel)`` (Phi = sum: Norm removes the length, so
+  sum and mean agree), ``u_cap = alpha u_sent + (1 - alpha) u_comp``, alpha = 0.75.
+- Image (sec. 3.3): the 1x1 convolution is a Linear on the ``(B, G, Dg)`` grid cells, the
+  regions V ``(B, G, d)``; v is their normalised average. The score is the cosine.
+- Negatives (sec. 3.4), from ``DataInfo.negatives``: nouns not in the caption (nor, fn. 2,
+  in the batch's other captions of its image); (adjective, noun) pairs with one part
+  substituted; triples with subject, predicate or object substituted. A negative always
+  differs from its positive; one that cannot (an exhausted vocabulary) is dropped.
+- Losses: eq. 1 (hardest negatives, F = max) for ``l_sent`` and ``l_comp``; eq. 1 with
+  textual negatives only (fn. 3) for ``l_rel``; eq. 2-3 (relevance-weighted region
+  alignment) for ``l_obj`` and ``l_attr``; eq. 4 with the etas of sec. 3.5 (``UniVSE.etas``).
+  Every term is summed (over the batch, as VSE++'s code, or over all components).
 
-Reductions: every term is summed (over the batch for eq. 1 as in VSE++'s reference code,
-over all objects / attributes / relations of the batch for eq. 3 and ``l_rel``).
+Multi-word phrases: an object or attribute phrase's embeddings are the means over its
+words; a multi-word predicate enters psi one phi(word) per step.
 
-Multi-word phrases (the batch gives phrase ids; the paper keeps single words): an object or
-attribute phrase's basic and modifier embeddings are the means over its words; a multi-word
-predicate enters psi one phi(word) per step, between the subject and the object.
-
-Paper vs official code: no official code was found (the public ``salanueva/UniVSE`` is a
-third-party reimplementation that, by its README, does not train as intended). The paper
-defers model details to its supplement, which we have not seen. Choices the
-paper leaves open:
-
-- The margin delta of eq. 1 and 3 (0.2, VSE++'s) and d_modif (300) are not stated.
-- "A global spatial pooling operator" for v: ours the average. The paper's ResNet-152 is
-  fixed (sec. 3.5); ours reads its precomputed grid features.
-- The relevance map M of eq. 2 is not detached: the gradient flows through the weights.
-- Phi, the aggregation of u_comp: ours the sum (see above).
-- Training (sec. 3.5): Adam, lr 1e-3. Ours: the shared ``train`` section.
+No official code was found (``salanueva/UniVSE`` is a third-party reimplementation that by
+its README does not train as intended), and the supplement was not seen. Choices the paper
+leaves open: margin 0.2 (VSE++'s) and d_modif 300; average pooling for v over the fixed
+ResNet's precomputed grid; the relevance map M of eq. 2 not detached; Phi = sum; training
+with the shared ``train`` section (paper: Adam, lr 1e-3).
 """
 
 from __future__ import annotations
@@ -130,21 +113,18 @@ def ranking_loss(
     ``valid (B,)`` drops pairs (a caption with no components) both as positives and as
     negatives, which equals eq. 1 on the valid subset. Scores in float32 (autocast off)."""
     with float32_scores(img.device.type):
-        return _ranking_loss(*full_precision(img, txt), margin, valid)
-
-
-def _ranking_loss(img, txt, margin, valid):
-    n = img.size(0)
-    scores = img @ txt.t()  # (B, B): s(u_c, v_i) at [i, c]
-    diagonal = scores.diag()
-    eye = torch.eye(n, dtype=torch.bool, device=scores.device)
-    valid = torch.ones(n, dtype=torch.bool, device=scores.device) if valid is None else valid
-    negative = ~eye & valid[:, None] & valid[None, :]  # (B, B)
-    cost_caption = (margin + scores - diagonal[:, None]).clamp(min=0)  # image i vs caption c'
-    cost_image = (margin + scores - diagonal[None, :]).clamp(min=0)  # caption c vs image i'
-    cost_caption = cost_caption.masked_fill(~negative, 0).amax(1)  # (B,)
-    cost_image = cost_image.masked_fill(~negative, 0).amax(0)  # (B,)
-    return (cost_caption + cost_image).sum()  # an invalid pair has no negative: 0
+        img, txt = full_precision(img, txt)
+        scores = img @ txt.t()  # (B, B): s(u_c, v_i) at [i, c]
+        n = img.size(0)
+        diagonal = scores.diag()
+        eye = torch.eye(n, dtype=torch.bool, device=scores.device)
+        valid = torch.ones(n, dtype=torch.bool, device=scores.device) if valid is None else valid
+        negative = ~eye & valid[:, None] & valid[None, :]  # (B, B)
+        cost_caption = (margin + scores - diagonal[:, None]).clamp(min=0)  # image i vs caption c'
+        cost_image = (margin + scores - diagonal[None, :]).clamp(min=0)  # caption c vs image i'
+        cost_caption = cost_caption.masked_fill(~negative, 0).amax(1)  # (B,)
+        cost_image = cost_image.masked_fill(~negative, 0).amax(0)  # (B,)
+        return (cost_caption + cost_image).sum()  # an invalid pair has no negative: 0
 
 
 def region_alignment(
@@ -175,27 +155,30 @@ def relation_loss(
     of its sampled triple ``neg[b, r]`` (where ``neg_valid``) and every relation of the
     batch's other captions ("triples of captions which describe other images", sec. 3.4).
     Summed over the valid relations of ``mask (B, R)``; scores in float32."""
+    b, r = mask.shape
     with float32_scores(img.device.type):
         img, pos, neg = full_precision(img, pos, neg)
-        return _relation_loss(img, pos, neg, mask, neg_valid, margin)
-
-
-def _relation_loss(img, pos, neg, mask, neg_valid, margin):
-    b, r = mask.shape
-    s_pos = torch.einsum("brd,bd->br", pos, img)  # (B, R)
-    s_neg = torch.einsum("brd,bd->br", neg, img).masked_fill(~neg_valid, float("-inf"))
-    cross = img @ pos.reshape(b * r, -1).t()  # (B, B*R): image b vs relation (b', r')
-    owner = torch.arange(b, device=img.device).repeat_interleave(r)  # (B*R,)
-    other = mask.reshape(1, b * r) & (owner[None, :] != torch.arange(b, device=img.device)[:, None])
-    hardest_batch = cross.masked_fill(~other, float("-inf")).amax(1)  # (B,)
-    hardest = torch.maximum(s_neg, hardest_batch[:, None])  # (B, R)
-    cost = (margin + hardest - s_pos).clamp(min=0)
-    return torch.where(mask, cost, torch.zeros_like(cost)).sum()
+        s_pos = torch.einsum("brd,bd->br", pos, img)  # (B, R)
+        s_neg = torch.einsum("brd,bd->br", neg, img).masked_fill(~neg_valid, float("-inf"))
+        cross = img @ pos.reshape(b * r, -1).t()  # (B, B*R): image b vs relation (b', r')
+        owner = torch.arange(b, device=img.device).repeat_interleave(r)  # (B*R,)
+        other = mask.reshape(1, b * r) & (
+            owner[None, :] != torch.arange(b, device=img.device)[:, None]
+        )
+        hardest_batch = cross.masked_fill(~other, float("-inf")).amax(1)  # (B,)
+        hardest = torch.maximum(s_neg, hardest_batch[:, None])  # (B, R)
+        cost = (margin + hardest - s_pos).clamp(min=0)
+        return torch.where(mask, cost, torch.zeros_like(cost)).sum()
 
 
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad the last (word) axis of phrase ids to ``width``."""
     return F.pad(x, (0, width - x.size(-1)))
+
+
+def _swap(replace: torch.Tensor, new: torch.Tensor, old: torch.Tensor, width: int):
+    """Phrase ids ``new`` where ``replace (...)``, else ``old``; both padded to ``width``."""
+    return torch.where(replace.unsqueeze(-1), _pad_to(new, width), _pad_to(old, width))
 
 
 def _phrase_equal(a: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -387,18 +370,15 @@ class UniVSE(nn.Module):
     def sample_negatives(
         self, batch: dict, generator: torch.Generator | None = None
     ) -> dict[str, torch.Tensor]:
-        """Contrastive examples in the factorised space (sec. 3.4), as phrase ids:
+        """Contrastive examples of sec. 3.4 as phrase ids (draws from ``generator`` on the
+        batch's device, or the global torch RNG):
 
-        - ``objects (B, O, Wn)``: a noun not among the caption's objects (nor those of the
-          batch's other captions of the same image, footnote 2, when ``caption_image`` is
-          in the batch); ``object_valid (B, O)``.
-        - ``attr_nouns``, ``attr_adjectives (B, A, W)``: the pair with either its adjective
-          replaced (by one not modifying the same object in the caption) or its noun
-          replaced (as for objects), one at random among the possible; ``attribute_valid``.
-        - ``rel_subjects``, ``rel_predicates``, ``rel_objects (B, Rn, W)``: the triple with
-          its subject, predicate (a different one) or object replaced; ``relation_valid``.
-
-        Draws use ``generator`` (on the batch's device) or the global torch RNG."""
+        - ``objects (B, O, Wn)``: a noun not among the caption's objects (nor, fn. 2, its
+          image's other captions' in the batch); ``object_valid (B, O)``.
+        - ``attr_nouns``, ``attr_adjectives (B, A, W)``: the adjective (by one not modifying
+          the same object) or the noun replaced, at random; ``attribute_valid``.
+        - ``rel_subjects``, ``rel_predicates``, ``rel_objects (B, Rn, W)``: the subject, the
+          predicate (by another) or the object replaced; ``relation_valid``."""
         objects, omask = batch["objects"], batch["object_mask"]
         attributes, amask = batch["attributes"], batch["attribute_mask"]
         relations = batch["relations"]
@@ -433,14 +413,8 @@ class UniVSE(nn.Module):
         swap, valid = _sample(torch.stack([adj_valid, noun_valid], -1), generator)
         wn = max(pos_nouns.size(-1), nouns.size(-1))
         wa = max(attributes.size(-1), adjectives.size(-1))
-        out["attr_nouns"] = torch.where(
-            (swap == 1).unsqueeze(-1), _pad_to(nouns[noun_index], wn), _pad_to(pos_nouns, wn)
-        )
-        out["attr_adjectives"] = torch.where(
-            (swap == 0).unsqueeze(-1),
-            _pad_to(adjectives[adj_index], wa),
-            _pad_to(attributes, wa),
-        )
+        out["attr_nouns"] = _swap(swap == 1, nouns[noun_index], pos_nouns, wn)
+        out["attr_adjectives"] = _swap(swap == 0, adjectives[adj_index], attributes, wa)
         out["attribute_valid"] = valid
 
         # (subject, predicate, object): swap one of the three
@@ -452,18 +426,10 @@ class UniVSE(nn.Module):
         noun_index, noun_valid = draw_noun(relations.size(1))
         swap, valid = _sample(torch.stack([noun_valid, pred_valid, noun_valid], -1), generator)
         wp = max(relations.size(-1), predicates.size(-1))
-        new_noun = _pad_to(nouns[noun_index], wn)
-        out["rel_subjects"] = torch.where(
-            (swap == 0).unsqueeze(-1), new_noun, _pad_to(subjects, wn)
-        )
-        out["rel_predicates"] = torch.where(
-            (swap == 1).unsqueeze(-1),
-            _pad_to(predicates[pred_index], wp),
-            _pad_to(relations, wp),
-        )
-        out["rel_objects"] = torch.where(
-            (swap == 2).unsqueeze(-1), new_noun, _pad_to(rel_objects, wn)
-        )
+        new_noun = nouns[noun_index]
+        out["rel_subjects"] = _swap(swap == 0, new_noun, subjects, wn)
+        out["rel_predicates"] = _swap(swap == 1, predicates[pred_index], relations, wp)
+        out["rel_objects"] = _swap(swap == 2, new_noun, rel_objects, wn)
         out["relation_valid"] = valid
         return out
 

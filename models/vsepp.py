@@ -1,36 +1,24 @@
 """VSE++: Improving Visual-Semantic Embeddings with Hard Negatives (Faghri et al., BMVC
 2018).
 
-- Image: f(i) = W_f^T phi(i) (eq. 1), phi the precomputed global CNN feature (the
-  paper's fixed-feature setting), then L2 normalisation.
-- Caption: g(c) = W_g^T mu(c) (eq. 2), mu a GRU over word embeddings, the final hidden
-  state (W_g is folded into the GRU's output size as in the reference code), normalised.
+- Image: f(i) = W_f^T phi(i) (eq. 1), phi the precomputed global CNN feature, normalised.
+- Caption: g(c) = W_g^T mu(c) (eq. 2), mu a GRU over word embeddings (its last state),
+  normalised.
 - Score: s(i, c) = f(i) . g(c) (eq. 3), in float32 under autocast.
-- Loss: the hinge triplet loss summed over the batch, SH (eq. 5) or MH (eq. 6, default),
-  margin alpha = 0.2.
+- Loss: the hinge triplet loss, SH (eq. 5) or MH (eq. 6, default), margin 0.2.
 
-Paper vs official code (``fartashf/vsepp``: ``model.py``, ``train.py``). The paper text here is
-an excerpt (sec. 1-2 and the conclusion), so training settings are the official code's.
+Paper vs official code (``fartashf/vsepp``; the paper text here is an excerpt, so training
+settings are the official code's):
 
-- Loss reduction. Paper eq. 4: the empirical loss is the mean over the N training pairs.
-  Official ``ContrastiveLoss.forward`` returns ``cost_s.sum() + cost_im.sum()``: summed over
-  the batch. Ours sums (``common.hinge_triplet``), so that ``train.grad_clip = 2.0`` (the
-  official ``--grad_clip``) acts on a loss of the official scale.
-- W_g. Paper eq. 2 projects the GRU state mu(c) with W_g. Official ``EncoderText`` has no
-  layer after the GRU: its hidden size is the embedding size. Ours does the same.
-- Image feature. Paper eq. 1 projects phi(i) as it is. Official ``EncoderImageFull.forward``
-  L2-normalises phi(i) before the FC, and ``EncoderImagePrecomp.forward`` assumes precomputed
-  features that are "already l2-normalized". Ours projects the stored global feature as it
-  is (or standardised, ``train.standardize``): the paper's eq. 1.
-- Initialisation (the paper is silent): Xavier-uniform W_f with zero bias
-  (``EncoderImagePrecomp.init_weights``) and word embeddings U(-0.1, 0.1)
-  (``EncoderText.init_weights``), as in the official code.
-- MH or SH. Official ``train.py`` trains SH unless ``--max_violation`` is given; VSE++ is the
-  MH loss, our default (``loss: mh``).
-- Training (official ``train.py``): Adam, lr 2e-4, x0.1 after 15 epochs (``--lr_update``),
-  30 epochs, batch 128, gradient norm clipped at 2, the best validation rsum (R@1+5+10 both
-  ways) kept. These are the defaults of our ``train`` section (AdamW with weight_decay 0 is
-  Adam).
+- The loss is summed over the batch (official ``ContrastiveLoss``; eq. 4 writes a mean),
+  so that ``train.grad_clip = 2.0`` acts on a loss of the official scale.
+- W_g is folded into the GRU's output size, as in official ``EncoderText``.
+- phi(i) is projected as stored (or standardised), as eq. 1; the official code
+  L2-normalises it first.
+- Init (the paper is silent): Xavier-uniform W_f, zero bias, word embeddings U(-0.1, 0.1).
+- Official ``train.py`` trains SH unless ``--max_violation``; ours defaults to MH.
+- Training: Adam (AdamW, weight_decay 0), lr 2e-4, x0.1 after 15 epochs, 30 epochs, batch
+  128, gradient norm clipped at 2, best val rsum kept: our ``train`` defaults.
 """
 
 from __future__ import annotations

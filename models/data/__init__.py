@@ -30,12 +30,8 @@ Text side::
 ``DataInfo`` carries the dimensions a model is built with; it is plain data so that a
 checkpoint can rebuild the model without the stores.
 
-Two steps make a batch. A source *builds* a raw batch (``build(kind, index, alloc)``):
-numpy arrays in the stored dtypes (float16 features, int32 ids widened to int64),
-gathered with one vectorised copy per field (:meth:`features.store.Store.gather`),
-into memory the caller provides. :func:`finish` makes it what the models read: float32,
-image inputs standardised, on the device; it runs once, on the GPU when there is one
-(:mod:`models.data.batches` runs both steps ahead of the training loop). The sources:
-:class:`PairData` (the feature stores, memory-mapped) and
-:class:`ShardData` (WebDataset shards built from the same stores).
+A source (:class:`PairData`: the stores, memory-mapped; :class:`ShardData`: WebDataset
+shards built from them) *builds* a raw batch in the stored dtypes, one vectorised gather
+per field, into memory the caller provides; :func:`finish` makes it what the models read
+(float32, standardised, on the device), once, on the GPU when there is one.
 """

@@ -1,8 +1,8 @@
 """One batch's memory: arrays carved out of one reusable byte buffer.
 
-A fresh 40 MB array costs ~10k page faults, more than the copy into it; building every
-batch into a reused buffer (shared memory for worker processes) costs none, and a worker
-describes a batch by where its arrays lie (:meth:`Arena.layout`) instead of sending them.
+A fresh 40 MB array costs ~10k page faults, more than the copy into it; a reused buffer
+(shared memory for workers) costs none, and a worker sends where a batch's arrays lie
+(:meth:`Arena.layout`) instead of the arrays.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ ALIGN = 64  # bytes; arrays start at cache-line boundaries in an arena
 
 
 class Arena:
-    """One batch's memory: arrays carved out of one reusable byte buffer (shared memory
-    when ``shared``, for worker processes). A batch that does not fit takes fresh arrays
-    for the rest and the buffer grows before the next batch."""
+    """A reusable buffer (``shared`` memory for workers); a batch that does not fit takes
+    fresh arrays for the rest and the buffer grows before the next batch."""
 
     def __init__(self, nbytes: int = 1 << 20, shared: bool = False):
         self.shared = shared

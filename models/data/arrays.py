@@ -165,11 +165,10 @@ def finish(batch: dict, stats: dict, alloc=None) -> dict:
 
 
 def floored_std(std: np.ndarray, ratio: float = 0.1) -> np.ndarray:
-    """Per-dimension ``std`` floored at ``ratio`` of the typical (root-mean-square) one, so
-    that standardising scales no dimension up more than ``1 / ratio`` times the others: a
-    dimension that barely varies on train (a ReLU unit of the detector's box head that
-    never fires there) must not dominate when it fires on a test image (a floor of 1e-3
-    made one such test image the nearest of every caption)."""
+    """Per-dimension ``std`` floored at ``ratio`` of the root-mean-square one: a dimension
+    that barely varies on train (a ReLU unit that never fires there) must not dominate
+    when it fires on a test image (a floor of 1e-3 made one such image the nearest of
+    every caption)."""
     return np.maximum(std, ratio * np.sqrt(np.mean(np.square(std))) + 1e-12)
 
 

@@ -1,38 +1,30 @@
 """Ready batches, built off the training loop's critical path.
 
 A *source* builds raw batches: ``source.build(kind, index, alloc)`` returns a dict of
-arrays in their stored dtypes (the batch ``kind``: "pair", captions with their images;
-"image"; "text"), every array from ``alloc(shape, dtype)``; a streaming source (shards)
-also has ``source.stream(spec, worker, n_workers, alloc, start)``, a generator of ``(raw
-batch, position after it)`` (plain data; ``start`` goes on from one). :class:`Batches`
-builds ahead of the consumer and hands out batches as the models read them
-(:func:`models.data.finish`: float32, standardised, on the device):
+arrays in their stored dtypes (``kind``: "pair", captions with their images; "image";
+"text"), every array from ``alloc(shape, dtype)``; a streaming source (shards) also has
+``source.stream(spec, worker, n_workers, alloc, start)``, a generator of ``(raw batch,
+position after it)``. :class:`Batches` builds ahead of the consumer and hands out batches
+as the models read them (:func:`models.data.finish`: float32, standardised, on the device):
 
 - ``num_workers = 0``, ``prefetch = 0``: built in the loop, when asked for (debugging);
-- ``num_workers = 0``, ``prefetch = P``: built by a thread of the training process, up
-  to P ahead (numpy gathers and torch copies release the GIL, so building overlaps the
-  training step), no copy between processes;
+- ``num_workers = 0``, ``prefetch = P``: built by a thread, up to P ahead (numpy gathers
+  and torch copies release the GIL, so building overlaps the step);
 - ``num_workers = W``: built by W worker processes, up to P ahead each, batch ``i`` by
   worker ``i % W``, handed out in order.
 
-Memory: every batch is built into an :class:`Arena`, a reusable byte buffer (shared memory
-for workers): no fresh pages (a fresh 40 MB array costs ~10k page faults, more than the
-copy into it; torch's DataLoader, which allocates each batch afresh, timed 2-3x slower in
-benchmarks/train_input.py), no copy between processes. A CPU batch is a view of its arena, valid
-until the next batch is asked for. On CUDA the producer copies each batch into pinned
-memory and frees the arena at once; the consumer copies it with ``non_blocking=True``
-and finishes it on the device (float16 -> float32 and standardisation on the GPU, once),
-one batch ahead on a side stream (:mod:`models.data.staging`).
-On the CPU the builder finishes the batch itself, so the consumer receives it ready.
+Every batch is built into a reused :class:`Arena` (shared memory for workers; torch's
+DataLoader, which allocates each batch afresh, timed 2-3x slower in
+benchmarks/train_input.py). A CPU batch is a view of its arena, valid until the next batch
+is asked for, and is finished by the builder. On CUDA the producer copies each batch into
+pinned memory and frees the arena; the consumer copies it without blocking and finishes
+it on the device, one batch ahead on a side stream (:mod:`models.data.staging`).
 
-Order: batches come out in the order of the tasks (a map-style epoch: exactly the
-caption batches of :func:`models.train.epoch_batches`), or, for a stream, round-robin
-over the workers, each worker's batches in its stream's order; both are the same on every
-run with the same worker count. Nothing here draws from torch's global RNG.
-
-Resume: a map-style pass goes on with the tasks left; a stream with ``Stream.start`` =
-:attr:`Batches.position` (each worker stream's position, whose turn it is, batches taken),
-from the very next batch, the skip computed (nothing before it is read again).
+Order: the tasks' order (a map-style epoch), or, for a stream, round-robin over the
+workers; the same on every run with the same worker count. Nothing here draws from
+torch's global RNG. Resume: a map-style pass goes on with the tasks left; a stream from
+``Stream.start`` = :attr:`Batches.position` (each worker stream's position, whose turn it
+is, batches taken), the skip computed (nothing before it is read again).
 """
 
 from __future__ import annotations
@@ -211,18 +203,9 @@ class Batches:
         context = mp.get_context(WORKER_CONTEXT)
         for worker in range(self.num_workers):
             ours, theirs = context.Pipe()
+            args = (self.source, theirs, worker, self.num_workers, self.stats, self._finish_on_host)
             process = context.Process(
-                target=_worker,
-                args=(
-                    self.source,
-                    theirs,
-                    worker,
-                    self.num_workers,
-                    self.stats,
-                    self._finish_on_host,
-                ),
-                daemon=True,
-                name=f"vse-data-{worker}",
+                target=_worker, args=args, daemon=True, name=f"vse-data-{worker}"
             )
             process.start()
             theirs.close()

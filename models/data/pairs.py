@@ -151,11 +151,9 @@ class PairData:
         return other
 
     def feature_stats(self, max_images: int = 5000) -> dict[str, list[list[float]]]:
-        """Per-dimension mean and std of the image inputs over (up to ``max_images``) of
-        this split's images; regions count only valid ones. Random-init features are
-        dominated by one shared mean vector; standardising them restores contrast.
-        Read in blocks, merged with Chan et al.'s pairwise update (float64), so memory
-        stays one block."""
+        """Per-dimension mean and std of the image inputs over up to ``max_images`` of this
+        split's images (valid regions only), read in blocks merged with Chan et al.'s
+        pairwise update (float64), so memory stays one block."""
         n_images = min(self.n_images, max_images)
         moments: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}  # count, mean, M2
         for start in range(0, n_images, STATS_BLOCK):

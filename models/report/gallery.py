@@ -37,50 +37,48 @@ def caption_query_images(n_images: int) -> list[int]:
     return query_positions(n_images, QUERIES + 1)[1:]
 
 
-# --------------------------------------------------------------------------- data
-
-
 def retrievals(sims, caption_image, image_keys, caption_keys, captions, k: int = TOP_K) -> dict:
     """Top-``k`` of sampled image and caption queries from a similarity matrix ``sims``
     ``(n_img, n_cap)`` whose caption ``c`` belongs to image ``caption_image[c]``."""
     sims = np.asarray(sims, dtype=np.float32)
     caption_image = np.asarray(caption_image)
-    i2t = []
-    for i in image_queries(len(image_keys)):
-        top = np.argsort(-sims[i], kind="stable")[:k]
-        i2t.append(
-            {
-                "query": image_keys[i],
-                "results": [
-                    {
-                        "key": caption_keys[c],
-                        "caption": captions[c],
-                        "hit": bool(caption_image[c] == i),
-                        "score": round(float(sims[i, c]), 4),
-                    }
-                    for c in top
-                ],
-            }
-        )
-    t2i = []
-    firsts = [int(np.flatnonzero(caption_image == i)[0]) for i in range(len(image_keys))]
-    for i in caption_query_images(len(image_keys)):
-        c = firsts[i]
-        top = np.argsort(-sims[:, c], kind="stable")[:k]
-        t2i.append(
-            {
-                "query": caption_keys[c],
-                "caption": captions[c],
-                "results": [
-                    {
-                        "key": image_keys[j],
-                        "hit": bool(j == caption_image[c]),
-                        "score": round(float(sims[j, c]), 4),
-                    }
-                    for j in top
-                ],
-            }
-        )
+
+    def top(scores) -> np.ndarray:
+        return np.argsort(-scores, kind="stable")[:k]
+
+    i2t = [
+        {
+            "query": image_keys[i],
+            "results": [
+                {
+                    "key": caption_keys[c],
+                    "caption": captions[c],
+                    "hit": bool(caption_image[c] == i),
+                    "score": round(float(sims[i, c]), 4),
+                }
+                for c in top(sims[i])
+            ],
+        }
+        for i in image_queries(len(image_keys))
+    ]
+    firsts = [
+        int(np.flatnonzero(caption_image == i)[0]) for i in caption_query_images(len(image_keys))
+    ]
+    t2i = [
+        {
+            "query": caption_keys[c],
+            "caption": captions[c],
+            "results": [
+                {
+                    "key": image_keys[j],
+                    "hit": bool(j == caption_image[c]),
+                    "score": round(float(sims[j, c]), 4),
+                }
+                for j in top(sims[:, c])
+            ],
+        }
+        for c in firsts
+    ]
     return {"image_to_text": i2t, "text_to_image": t2i}
 
 

@@ -81,14 +81,8 @@ def draw_image_to_text(query_key: str, per_model: dict[str, list[dict]], load_im
         y -= step
         for i, item in enumerate(results):
             mark, colour = ("\u2713", "#1a9850") if item["hit"] else ("\u00b7", "#555555")
-            text.text(
-                0.02,
-                y,
-                f"{mark} {i + 1}. {item['caption']}  ({item['score']:.2f})",
-                fontsize=8,
-                color=colour,
-                va="top",
-            )
+            line = f"{mark} {i + 1}. {item['caption']}  ({item['score']:.2f})"
+            text.text(0.02, y, line, fontsize=8, color=colour, va="top")
             y -= step
     return _png(plt, fig)
 
@@ -145,14 +139,8 @@ def draw_consistency(split: str, extremes: dict, load_image) -> bytes:
             ax.set_title(f"{label}\n{item['key']}: {item['mean_similarity']:.2f}", fontsize=8)
             text = fig.add_axes((0.135 + 0.33 * i, 0.5 - 0.47 * g + 0.02, 0.19, 0.42))
             text.axis("off")
-            text.text(
-                0,
-                1,
-                "\n".join(_wrap(c, 36) for c in item["captions"]),
-                fontsize=7,
-                va="top",
-                linespacing=1.3,
-            )
+            lines = "\n".join(_wrap(c, 36) for c in item["captions"])
+            text.text(0, 1, lines, fontsize=7, va="top", linespacing=1.3)
     return _png(plt, fig)
 
 
@@ -187,44 +175,20 @@ def write_gallery(
     first = galleries[models[0]]
     for q, query in enumerate(first["text_to_image"]):
         per_model = {m: galleries[m]["text_to_image"][q]["results"] for m in models}
-        figures.append(
-            (
-                "Text to image",
-                f"t2i_{q}",
-                query["caption"],
-                draw_text_to_image(query, per_model, load_image),
-            )
-        )
+        png = draw_text_to_image(query, per_model, load_image)
+        figures.append(("Text to image", f"t2i_{q}", query["caption"], png))
     for q, query in enumerate(first["image_to_text"]):
         per_model = {m: galleries[m]["image_to_text"][q]["results"] for m in models}
-        figures.append(
-            (
-                "Image to text",
-                f"i2t_{q}",
-                query["query"],
-                draw_image_to_text(query["query"], per_model, load_image),
-            )
-        )
+        png = draw_image_to_text(query["query"], per_model, load_image)
+        figures.append(("Image to text", f"i2t_{q}", query["query"], png))
     for model, gallery in galleries.items():
         for i, entry in enumerate(gallery.get("views", [])):
             alt = "; ".join(b["caption"] for b in entry["best_caption"])
-            figures.append(
-                (
-                    "Views over regions (MV-VSE Fig. 5)",
-                    f"views_{model}_{i}",
-                    alt,
-                    draw_views(model, entry["image"], entry, load_image),
-                )
-            )
+            png = draw_views(model, entry["image"], entry, load_image)
+            figures.append(("Views over regions (MV-VSE Fig. 5)", f"views_{model}_{i}", alt, png))
     for split, groups in (extremes or {}).items():
-        figures.append(
-            (
-                "Caption consistency (MV-VSE Fig. 2)",
-                f"sbert_{split}",
-                split,
-                draw_consistency(split, groups, load_image),
-            )
-        )
+        png = draw_consistency(split, groups, load_image)
+        figures.append(("Caption consistency (MV-VSE Fig. 2)", f"sbert_{split}", split, png))
 
     written = []
     with atomic_path(png_dir, directory=True) as tmp:
