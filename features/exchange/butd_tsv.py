@@ -37,21 +37,18 @@ from features.ingest.manifest import (
 from features.store.spec import FieldSpec, Provenance, StoreConfig, StoreError, regions_fields
 from features.store.writer import StoreWriter
 
-TSV_FIELDS = ["image_id", "image_w", "image_h", "num_boxes", "boxes", "features"]
-OBJ36_FIELDS = [
-    "img_id",
-    "img_h",
-    "img_w",
-    "objects_id",
-    "objects_conf",
-    "attrs_id",
-    "attrs_conf",
-    "num_boxes",
-    "boxes",
-    "features",
-]
-FORMATS = {"butd": TSV_FIELDS, "obj36": OBJ36_FIELDS}
 LABELS = ("objects", "attrs")  # obj36's per-region class ids and confidences
+
+
+def label_fields(labels: Iterable[str]) -> list[str]:
+    """The id and confidence fields of ``labels``: ``objects_id, objects_conf, ...``."""
+    return [f"{x}_{y}" for x in labels for y in ("id", "conf")]
+
+
+FORMATS = {  # each layout's tab-separated fields, in order
+    "butd": ["image_id", "image_w", "image_h", "num_boxes", "boxes", "features"],
+    "obj36": ["img_id", "img_h", "img_w", *label_fields(LABELS), "num_boxes", "boxes", "features"],
+}
 
 
 class MalformedRow(ValueError):
@@ -101,13 +98,12 @@ def index_tsv(files: list[Path]) -> dict[str, tuple[Path, int, int]]:
                 for line_no, line in enumerate(f, start=1):
                     raw_id = line.split(b"\t", 1)[0].strip()
                     if raw_id:
-                        try:
-                            image_id = raw_id.decode("ascii")
-                        except UnicodeDecodeError:
+                        if not raw_id.isascii():
                             raise IngestError(
                                 f"{path}:{line_no}: image_id {raw_id[:40]!r} is not ASCII text; "
                                 "is this a bottom-up-attention TSV file?"
-                            ) from None
+                            )
+                        image_id = raw_id.decode("ascii")
                         if image_id in index:
                             first = index[image_id]
                             raise IngestError(
@@ -337,11 +333,7 @@ def import_regions(
                     notes[key] = ["malformed_row", str(err)]
                     continue
                 r = min(max_regions, len(row["features"]))
-                for name in (
-                    "features",
-                    "boxes",
-                    *(f"{x}_{y}" for x in labels for y in ("id", "conf")),
-                ):
+                for name in ("features", "boxes", *label_fields(labels)):
                     data[name][i, :r] = row[name][:r]
                 data["n_regions"][i] = r
                 data["image_hw"][i] = row["image_hw"]
@@ -389,7 +381,7 @@ def export_obj36(
             "confidence 0 for them"
         )
     names = ["features", "boxes", "n_regions", "image_hw"]
-    names += [f"{x}_{y}" for x in LABELS if x not in absent for y in ("id", "conf")]
+    names += label_fields(x for x in LABELS if x not in absent)
     written, skipped = 0, []
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as f:
         for lo in range(0, len(index), block):
@@ -405,9 +397,7 @@ def export_obj36(
                     ids = data[f"{x}_id"][i, :n] if x not in absent else np.full(n, -1)
                     conf = data[f"{x}_conf"][i, :n] if x not in absent else np.zeros(n)
                     labels += [_b64(ids, np.int64), _b64(conf, np.float32)]
-                row = [key, str(h), str(w), *labels, str(n)]
-                row += [_b64(data["boxes"][i, :n], np.float32)]
-                row += [_b64(data["features"][i, :n], np.float32)]
-                f.write("\t".join(row) + "\n")
+                boxes, features = (_b64(data[x][i, :n], np.float32) for x in ("boxes", "features"))
+                f.write("\t".join([key, str(h), str(w), *labels, str(n), boxes, features]) + "\n")
                 written += 1
     return written, skipped

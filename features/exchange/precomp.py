@@ -125,12 +125,11 @@ def read_precomp_split(folder: Path, name: str) -> tuple[np.ndarray, list[str], 
     per_image = len(captions) // len(ims)
     ids_path = folder / f"{name}_ids.txt"
     if ids_path.exists():
-        ids = _read_utf8(ids_path).split()
-        if len(ids) == len(captions) and per_image > 1:
-            ids = ids[::per_image]  # one id per caption
-        if len(ids) != len(ims):
-            raise IngestError(f"{ids_path}: {len(ids)} ids for {len(ims)} images")
-        keys = [str(i) for i in ids]
+        keys = _read_utf8(ids_path).split()
+        if len(keys) == len(captions) and per_image > 1:
+            keys = keys[::per_image]  # one id per caption
+        if len(keys) != len(ims):
+            raise IngestError(f"{ids_path}: {len(keys)} ids for {len(ims)} images")
         for key in keys:
             if problem := check_key(key):
                 raise IngestError(f"{ids_path}: {problem}")

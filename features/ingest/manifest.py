@@ -15,17 +15,13 @@ import pyarrow.parquet as pq
 from infra.config import UserError
 
 MANIFEST_SCHEMA_VERSION = 2  # 2: box_attributes (version 1 reads as all-null)
-
-
 SPLITS = ("train", "val", "test")
+KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
 
 def caption_key(image_key: str, i: int) -> str:
     """The key of caption ``i`` of an image: ``<image key>#<i>`` (caption-level stores)."""
     return f"{image_key}#{i}"
-
-
-KARPATHY_SPLITS = SPLITS + ("restval",)  # restval survives only with prepare.restval = keep
 
 
 class IngestError(UserError):
@@ -66,10 +62,7 @@ MANIFEST_SCHEMA = pa.schema(
         ("box_attributes", pa.list_(pa.list_(pa.string()))),
     ]
 )
-
-
 MANIFEST_COLUMNS = MANIFEST_SCHEMA.names
-
 
 # Columns added after version 1: left out of the digest when null, so datasets without
 # them keep their digest (and their feature stores stay valid).
@@ -128,15 +121,10 @@ class Manifest:
     def caption_rows(self) -> tuple[list[str], list[str], list[str]]:
         """Caption keys ``<image>#<i>``, texts and splits, in manifest order."""
         keys, texts, splits = [], [], []
-        for key, captions, split in zip(
-            self.table["key"].to_pylist(),
-            self.table["captions"].to_pylist(),
-            self.table["split"].to_pylist(),
-            strict=True,
-        ):
-            keys += [caption_key(key, i) for i in range(len(captions))]
-            texts += captions
-            splits += [split] * len(captions)
+        for row in self.table.select(["key", "captions", "split"]).to_pylist():
+            keys += [caption_key(row["key"], i) for i in range(len(row["captions"]))]
+            texts += row["captions"]
+            splits += [row["split"]] * len(row["captions"])
         return keys, texts, splits
 
 

@@ -7,14 +7,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from features.ingest.manifest import KARPATHY_SPLITS, SPLITS, IngestError, Record, write_manifest
+from features.ingest.manifest import KARPATHY_SPLITS, SPLITS, IngestError, write_manifest
 from features.ingest.readers import READERS, PrepareConfig
 from features.ingest.validate import validate, write_errors
-
-
-def split_counts(records: list[Record]) -> dict[str, int]:
-    counts = Counter(r.split for r in records)
-    return {s: counts[s] for s in KARPATHY_SPLITS if s in SPLITS or counts[s]}
 
 
 def prepare(
@@ -42,7 +37,10 @@ def prepare(
         progress=progress,
         allow_symlinks_outside=cfg.allow_symlinks_outside,
     )
-    summary = report.summary(split_counts(records))
+    by_split = Counter(r.split for r in records)
+    summary = report.summary(
+        {s: by_split[s] for s in KARPATHY_SPLITS if s in SPLITS or by_split[s]}
+    )
     write_errors(report, errors)
     write_json(metrics, summary)
     counts = ", ".join(f"{k} {v}" for k, v in summary["counts"].items() if v) or "none"

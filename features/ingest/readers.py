@@ -4,6 +4,7 @@ demo): each turns annotations into records, before validation."""
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 import posixpath
@@ -39,9 +40,12 @@ def _read_text(path: Path) -> str:
         raise IngestError(f"{path}: cannot read annotations ({err.strerror or err})") from err
 
 
-def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
+def read_karpathy(
+    annotations: Path, images_root: Path, cfg: PrepareConfig, demo: bool = False
+) -> Dataset:
     """Karpathy split JSON, plus the optional ``label``/``boxes``/``box_names``/
-    ``box_attributes`` of datasets with boxes."""
+    ``box_attributes`` of datasets with boxes; the demo's (``demo``) box attributes are
+    each of its ``objects``' colour and size."""
     try:
         data = json.loads(_read_text(annotations))
     except json.JSONDecodeError as err:
@@ -77,6 +81,12 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
         split = str(image.get("split", ""))
         if split == "restval" and cfg.restval == "train":
             split = "train"
+        attributes = image.get("box_attributes")
+        if demo and attributes is None and isinstance(image.get("objects"), list):
+            attributes = [
+                [o.get("color"), o.get("size")] if isinstance(o, dict) else None
+                for o in image["objects"]
+            ]
         records.append(
             Record(
                 key=Path(filename).stem,
@@ -86,7 +96,7 @@ def read_karpathy(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
                 label=image.get("label"),
                 boxes=image.get("boxes"),
                 box_names=image.get("box_names"),
-                box_attributes=image.get("box_attributes"),
+                box_attributes=attributes,
             )
         )
     name = str(data.get("dataset", "karpathy"))
@@ -154,23 +164,6 @@ def _food101_rows(csv_file: Path, split: str, split_dir: bool, cfg: PrepareConfi
     return rows
 
 
-def read_demo(annotations: Path, images_root: Path, cfg: PrepareConfig) -> Dataset:
-    """The demo's Karpathy JSON; each box's attributes are its object's colour and size."""
-    dataset = read_karpathy(annotations, images_root, cfg)
-    objects = {}
-    data = json.loads(_read_text(annotations))
-    for image in data["images"]:
-        if isinstance(image, dict) and isinstance(image.get("filename"), str):
-            objects[Path(image["filename"]).stem] = image.get("objects")
-    for record in dataset.records:
-        described = objects.get(record.key)
-        if record.problem is None and isinstance(described, list) and record.box_attributes is None:
-            record.box_attributes = [
-                [o.get("color"), o.get("size")] if isinstance(o, dict) else None for o in described
-            ]
-    return dataset
-
-
 # the original Flickr8k release (Hodosh et al. 2013): captions, and one split list per split
 FLICKR8K_TOKENS = "Flickr8k.token.txt"
 FLICKR8K_SPLITS = {
@@ -214,6 +207,6 @@ def read_flickr8k(annotations: Path, images_root: Path, cfg: PrepareConfig) -> D
 READERS: dict[str, Callable[[Path, Path, PrepareConfig], Dataset]] = {
     "karpathy": read_karpathy,
     "flickr8k": read_flickr8k,
-    "demo": read_demo,
+    "demo": functools.partial(read_karpathy, demo=True),
     "food101": read_food101,
 }

@@ -187,32 +187,30 @@ def check_boxes(boxes) -> str | None:
     return None
 
 
-def check_box_names(names, boxes) -> str | None:
-    """What is wrong with optional box names, or None: one string per box."""
-    if names is None:
+def _is_text(value) -> bool:
+    return isinstance(value, str) and is_utf8(value)
+
+
+PER_BOX = {  # optional per-box fields: the check of one value, and what the field must be
+    "box_names": (_is_text, "a list of (UTF-8) strings"),
+    "box_attributes": (
+        lambda a: isinstance(a, list) and all(map(_is_text, a)),
+        "one list of strings per box",
+    ),
+}
+
+
+def check_per_box(field: str, values, boxes) -> str | None:
+    """What is wrong with the optional per-box ``field`` (box names or attributes), or
+    None: a list of one value per box."""
+    if values is None:
         return None
-    if not isinstance(names, list) or not all(isinstance(n, str) and is_utf8(n) for n in names):
-        return f"box_names is {str(names)[:60]!r}, not a list of (UTF-8) strings"
-    return _one_per_box("box_names", names, boxes)
-
-
-def check_box_attributes(attributes, boxes) -> str | None:
-    """What is wrong with optional box attributes, or None: one list of strings per box."""
-    if attributes is None:
-        return None
-    if not isinstance(attributes, list) or not all(
-        isinstance(a, list) and all(isinstance(v, str) and is_utf8(v) for v in a)
-        for a in attributes
-    ):
-        return f"box_attributes is {str(attributes)[:60]!r}, not one list of strings per box"
-    return _one_per_box("box_attributes", attributes, boxes)
-
-
-def _one_per_box(what: str, values: list, boxes) -> str | None:
-    """What is wrong when ``values`` (field ``what``) are not one per box, or None."""
+    is_value, expected = PER_BOX[field]
+    if not isinstance(values, list) or not all(map(is_value, values)):
+        return f"{field} is {str(values)[:60]!r}, not {expected}"
     if isinstance(boxes, list) and len(values) == len(boxes):
         return None
-    return f"{len(values)} {what} for {len(boxes) if isinstance(boxes, list) else 'no'} boxes"
+    return f"{len(values)} {field} for {len(boxes) if isinstance(boxes, list) else 'no'} boxes"
 
 
 def check_key(key) -> str | None:
@@ -279,27 +277,19 @@ def validate(
                 captions.append(caption.strip())
         if not captions:
             report.error(key, "no_captions", "no usable caption left")
-        fields = [
-            ("bad_label", check_label(record.label, dataset.class_names)),
-            ("bad_boxes", check_boxes(record.boxes)),
-            ("bad_box_names", check_box_names(record.box_names, record.boxes)),
-            ("bad_box_attributes", check_box_attributes(record.box_attributes, record.boxes)),
-        ]
-        for field_reason, field_detail in fields:
+        fields = {
+            "bad_label": check_label(record.label, dataset.class_names),
+            "bad_boxes": check_boxes(record.boxes),
+            **{f"bad_{f}": check_per_box(f, getattr(record, f), record.boxes) for f in PER_BOX},
+        }
+        for field_reason, field_detail in fields.items():
             if field_detail:
                 report.error(key, field_reason, field_detail)
-        if reason or record.split not in KARPATHY_SPLITS or not captions:
-            continue  # the record cannot be used; its errors are reported above
-        if any(detail for _, detail in fields):
-            continue  # a malformed optional field: the record is dropped, reported above
+        if reason or record.split not in KARPATHY_SPLITS or not captions or any(fields.values()):
+            continue  # the record cannot be used (or has a malformed optional field): reported
         if len(captions) != captions_per_image:
-            report.warnings.append(
-                Issue(
-                    key,
-                    "caption_count",
-                    f"{len(captions)} captions, expected {captions_per_image} (kept)",
-                )
-            )
+            warning = f"{len(captions)} captions, expected {captions_per_image} (kept)"
+            report.warnings.append(Issue(key, "caption_count", warning))
         record.captions = captions
         kept.append(record)
     report.records_kept = len(kept)

@@ -10,17 +10,18 @@ that is of the whole DAG's data (the sizes ``dvc.lock`` records).
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from pathlib import Path
 
 from flows.commands import command
 
 
-def stage_inputs(repo, targets: list[str]) -> list[str]:
+def stage_inputs(repo, targets: list[str], written: Container[str]) -> list[str]:
     """The dependencies of ``targets`` (stage names, ``foreach`` entries like
-    ``evaluate@mvvse``) that are outputs of stages, in the repository's paths."""
+    ``evaluate@mvvse``) that are in ``written`` (the stages' outputs), in the repository's
+    paths."""
     from infra.config import UserError
 
-    written = {str(out.def_path) for stage in repo.index.stages for out in stage.outs}
     paths: set[str] = set()
     for target in targets:
         try:
@@ -35,15 +36,6 @@ def stage_inputs(repo, targets: list[str]) -> list[str]:
     return sorted(paths)
 
 
-def locked_sizes(repo) -> dict[str, int]:
-    """Each stage output's size in bytes, as ``dvc.lock`` records it."""
-    return {
-        str(out.def_path): int((out.meta.size if out.meta else None) or 0)
-        for stage in repo.index.stages
-        for out in stage.outs
-    }
-
-
 def tree_bytes(folder: Path) -> int:
     """Bytes of every file under ``folder`` (0 if there is none)."""
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
@@ -55,8 +47,12 @@ def pull_inputs(repo, stages: list[str], remote=None, jobs=None) -> dict:
 
     from infra.config import UserError, one_line
 
-    paths = stage_inputs(repo, stages)
-    sizes = locked_sizes(repo)
+    sizes = {  # each stage output's size in bytes, as dvc.lock records it
+        str(out.def_path): int((out.meta.size if out.meta else None) or 0)
+        for stage in repo.index.stages
+        for out in stage.outs
+    }
+    paths = stage_inputs(repo, stages, sizes)
     cache = Path(repo.cache.local.path)
     before, start = tree_bytes(cache), time.perf_counter()
     files = 0
