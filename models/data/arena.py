@@ -89,9 +89,7 @@ def from_layout(buffer: np.ndarray, layout: dict) -> dict:
     for key, item in layout.items():
         if item[0] == "arena":
             _, dtype, shape, offset = item
-            dtype = np.dtype(dtype)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            out[key] = buffer[offset : offset + nbytes].view(dtype).reshape(shape)
+            out[key] = np.ndarray(shape, np.dtype(dtype), buffer=buffer, offset=offset)
         else:
             out[key] = item[1]
     return out

@@ -20,24 +20,19 @@ def phrase_ids(text: str, index: dict[str, int]) -> list[int]:
     return [index.get(w, unk) for w in words(text)] or [unk]
 
 
-def _pad_phrases(rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-caption lists of phrases -> ``(B, N, W)`` ids and ``(B, N)`` mask."""
-    n = max([len(r) for r in rows] + [1])
-    w = max([len(p) for r in rows for p in r] + [1])
-    ids = np.zeros((len(rows), n, w), dtype=np.int64)
-    mask = np.zeros((len(rows), n), dtype=bool)
-    for b, row in enumerate(rows):
-        for i, phrase in enumerate(row):
-            ids[b, i, : len(phrase)] = phrase
-            mask[b, i] = True
-    return ids, mask
-
-
 def scene_graph_batch(graphs: Sequence[dict], index: dict[str, int]) -> dict[str, torch.Tensor]:
     """Scene graphs (rows of scenegraphs.parquet) -> the padded component tensors."""
     out = {}
     for name, text in (("objects", "span"), ("attributes", "attribute"), ("relations", "relation")):
-        ids, mask = _pad_phrases([[phrase_ids(c[text], index) for c in g[name]] for g in graphs])
+        rows = [[phrase_ids(c[text], index) for c in g[name]] for g in graphs]
+        n = max([len(r) for r in rows] + [1])
+        w = max([len(p) for r in rows for p in r] + [1])
+        ids = np.zeros((len(rows), n, w), dtype=np.int64)  # (B, N, W)
+        mask = np.zeros((len(rows), n), dtype=bool)  # (B, N)
+        for b, row in enumerate(rows):
+            for i, phrase in enumerate(row):
+                ids[b, i, : len(phrase)] = phrase
+                mask[b, i] = True
         out[name], out[f"{name[:-1]}_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
     for key, component, field in (
         ("attribute_objects", "attributes", "object"),

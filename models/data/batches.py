@@ -35,6 +35,7 @@ import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -71,15 +72,39 @@ def build(source, kind: str, index: np.ndarray, alloc: Arena) -> dict:
     return alloc.adopt(getattr(source, f"{kind}_batch")(index))
 
 
-def _copied(value, pin: bool):
-    """An array out of its arena: into pinned memory (CUDA's caching host allocator) or
-    plain memory."""
-    if not isinstance(value, np.ndarray):
-        return value
-    return torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value.copy())
+class _Builder:
+    """Builds the batches of one process (a worker, or the trainer's) into the arena each
+    request names, finished there when ``finish_here``: ``("build", (kind, index))``, or
+    ``("next", (number, spec, start))``, the next batch of pass ``number``'s stream."""
 
+    def __init__(self, source, worker: int, n_workers: int, stats, finish_here: bool):
+        self.source, self.worker, self.n_workers = source, worker, n_workers
+        self.stats, self.finish_here = stats, finish_here
+        self.stream_pass = self.stream = self.arena = None
 
-# --------------------------------------------------------------------------- workers
+    def _alloc(self, shape, dtype):  # a stream's batches go to the arena of the request
+        return self.arena(shape, dtype)
+
+    def __call__(self, arena: Arena, op: str, task) -> tuple[dict, object] | None:
+        """``(batch, position after it)`` in ``arena``; None when the stream is done."""
+        arena.reset()
+        self.arena, position = arena, None
+        if op == "build":
+            batch = build(self.source, *task, arena)
+        else:
+            number, spec, start = task
+            if number != self.stream_pass:
+                self.stream_pass = number
+                self.stream = self.source.stream(
+                    spec, self.worker, self.n_workers, self._alloc, start
+                )
+            raw = next(self.stream, None)
+            if raw is None:
+                return None
+            batch, position = arena.adopt(raw[0]), raw[1]
+        if self.finish_here:
+            batch = arena.adopt(finish(as_tensors(batch), self.stats, alloc=arena))
+        return batch, position
 
 
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
@@ -88,11 +113,7 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
     ignore_stop_signals()  # a signal to the process group is the trainer's to handle
     torch.set_num_threads(1)
     arenas: dict[int, Arena] = {}
-    stream_pass, stream, current = None, None, [None]
-
-    def alloc(shape, dtype):  # a stream's batches go to the slot of the current request
-        return current[0](shape, dtype)
-
+    builder = _Builder(source, worker, n_workers, stats, finish_here)
     while True:
         try:
             message = conn.recv()
@@ -101,28 +122,17 @@ def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool)
         if message is None:
             return
         op, slot, task = message
-        position = None
-        arena = arenas.setdefault(slot, Arena(shared=True))
-        arena.reset()
+        if slot not in arenas:
+            arenas[slot] = Arena(shared=True)
+        arena = arenas[slot]
         try:
-            if op == "build":
-                batch = build(source, task[0], task[1], arena)
-            else:  # "next" batch of stream `spec` (from `start`) in pass `number`
-                number, spec, start = task
-                if number != stream_pass:
-                    stream_pass = number
-                    stream = source.stream(spec, worker, n_workers, alloc, start)
-                current[0] = arena
-                raw = next(stream, None)
-                if raw is None:
-                    conn.send(("end", slot, None, None, None))
-                    continue
-                batch, position = arena.adopt(raw[0]), raw[1]
-            if finish_here:
-                batch = arena.adopt(finish(as_tensors(batch), stats, alloc=arena))
+            built = builder(arena, op, task)
+            if built is None:
+                conn.send(("end", slot, None, None, None))
+                continue
             fresh = arena.tensor if arena.changed else None
             arena.changed = False
-            conn.send(("ok", slot, arena.layout(batch), fresh, position))
+            conn.send(("ok", slot, arena.layout(built[0]), fresh, built[1]))
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the trainer
             text = traceback.format_exc()
             try:
@@ -152,7 +162,7 @@ class Batches:
         self.num_workers = num_workers
         self.prefetch = prefetch
         self.stats = getattr(source, "stats", None) or {}
-        self._device_stats: dict = {}
+        self._device_stats = {k: tuple(t.to(self.device) for t in v) for k, v in self.stats.items()}
         # on the CPU the builder finishes batches; on an accelerator the device does
         self._finish_on_host = self.device.type == "cpu"
         self._arenas: list[Arena] = []
@@ -225,47 +235,28 @@ class Batches:
     def _run(self, tasks) -> Iterator[dict]:
         stop = threading.Event()
         self.position = tasks.start if isinstance(tasks, Stream) else None
-        ahead = bool(self.num_workers or self.prefetch)
         if self.num_workers:
             if not self._workers:
                 self._start_workers()
             produced = self._from_workers(tasks, stop)
         else:
             produced = self._built_here(tasks, stop)
-        if ahead:
+        if self.num_workers or self.prefetch:
             produced = self._in_thread(produced, stop)
-        if self.device.type == "cuda":
-            yield from self._staged_ahead(produced, stop)
-            return
-        release = None
         try:
-            while True:
-                if release is not None and not ahead:  # its one arena is needed next
-                    release()
-                    release = None
+            if self.device.type == "cuda":  # batch i + 1 staged while step i runs
+                pairs = ((position, batch) for batch, _, position in produced)
+                for position, batch in staged_on_cuda(pairs, self._ready, self.device):
+                    self.position = position
+                    yield batch
+                return
+            for batch, release, position in produced:
+                self.position = position
                 try:
-                    batch, done, position = next(produced)
-                except StopIteration:
-                    return
-                if release is not None:
-                    release()  # the consumer is done with the previous batch
-                release = done
-                self.position = position
-                yield self._ready(batch)
-        finally:
-            stop.set()
-            produced.close()
-            if release is not None:
-                release()
-
-    def _staged_ahead(self, produced: Iterator, stop: threading.Event) -> Iterator[dict]:
-        """On CUDA: batch ``i + 1`` copied and finished on a side stream while step ``i``
-        runs (:func:`models.data.staging.staged_on_cuda`)."""
-        try:
-            pairs = ((position, batch) for batch, _, position in produced)
-            for position, batch in staged_on_cuda(pairs, self._ready, self.device):
-                self.position = position
-                yield batch
+                    yield self._ready(batch)
+                finally:  # the consumer is done with the batch: its arena builds again
+                    if release is not None:
+                        release()
         finally:
             stop.set()
             produced.close()
@@ -273,22 +264,22 @@ class Batches:
     def _ready(self, batch: dict) -> dict:
         """On the CPU the batch is ready; on a device: non-blocking copy, then finish."""
         batch = as_tensors(batch)
-        if self.device.type == "cpu":
-            return batch if self._finish_on_host else finish(batch, self.stats)
-        batch = to_device(batch, self.device)
-        if self.stats and not self._device_stats:
-            self._device_stats = {
-                k: tuple(t.to(self.device) for t in v) for k, v in self.stats.items()
-            }
-        return finish(batch, self._device_stats)
+        if self._finish_on_host:
+            return batch
+        return finish(to_device(batch, self.device), self._device_stats)
 
     def _handoff(self, batch: dict, release, position=None) -> tuple[dict, object, object]:
         """What the producer passes on: on an accelerator a pinned copy (the arena is freed
         at once, the consumer copies without blocking); on the CPU the arena's views."""
-        if self.device.type == "cpu":
+        if self._finish_on_host:
             return batch, release, position
-        pin = self.device.type == "cuda"  # (another device gets a plain copy)
-        copied = {k: _copied(v, pin) for k, v in batch.items()}
+        pin = self.device.type == "cuda"  # CUDA's caching host allocator; others: a plain copy
+        copied = {}
+        for key, value in batch.items():
+            if isinstance(value, np.ndarray):  # out of its arena
+                value = torch.from_numpy(value)
+                value = value.pin_memory() if pin else value.clone()
+            copied[key] = value
         release()
         return copied, None, position
 
@@ -301,11 +292,6 @@ class Batches:
                 if stop.is_set():
                     raise _Stopped from None
 
-    def _finished(self, batch: dict, arena: Arena) -> dict:
-        if not self._finish_on_host:
-            return batch
-        return arena.adopt(finish(as_tensors(batch), self.stats, alloc=arena))
-
     def _built_here(self, tasks, stop: threading.Event) -> Iterator[tuple[dict, object]]:
         """Batches built in this process, each in one of ``prefetch + 1`` arenas."""
         while len(self._arenas) < self.prefetch + 1:
@@ -313,115 +299,93 @@ class Batches:
         free: queue.Queue = queue.Queue()
         for arena in self._arenas[: self.prefetch + 1]:
             free.put(arena)
+        builder = _Builder(self.source, 0, 1, self.stats, self._finish_on_host)
         if isinstance(tasks, Stream):
-            current, start = [None], tasks.start or {"streams": {}, "taken": 0}
-            alloc = lambda shape, dtype: current[0](shape, dtype)  # noqa: E731
-            stream = self.source.stream(tasks.spec, 0, 1, alloc, start["streams"].get(0))
-            for taken in range(start["taken"] + 1, tasks.steps + 1):
-                current[0] = arena = self._wait(free, stop)
-                arena.reset()
-                got = next(stream, None)
-                if got is None:
-                    return
-                batch = self._finished(arena.adopt(got[0]), arena)
-                position = {"streams": {0: got[1]}, "active": [0], "turn": taken, "taken": taken}
-                yield self._handoff(batch, lambda a=arena: free.put(a), position)
-            return
-        for kind, index in tasks:
+            start = tasks.start or {"streams": {}, "taken": 0}
+            first = ("next", (0, tasks.spec, start["streams"].get(0)))
+            requests = repeat(first, tasks.steps - start["taken"])
+        else:
+            requests = (("build", task) for task in tasks)
+        for i, (op, task) in enumerate(requests):
             arena = self._wait(free, stop)
-            arena.reset()
-            batch = self._finished(build(self.source, kind, index, arena), arena)
-            yield self._handoff(batch, lambda a=arena: free.put(a))
+            built = builder(arena, op, task)
+            if built is None:
+                return
+            batch, position = built
+            if op == "next":  # where the stream (of one worker) stands
+                taken = start["taken"] + i + 1
+                position = {"streams": {0: position}, "active": [0], "turn": taken, "taken": taken}
+            yield self._handoff(batch, lambda a=arena: free.put(a), position)
 
     def _from_workers(self, tasks, stop: threading.Event) -> Iterator[tuple[dict, object]]:
-        """Batches built by the worker processes: task ``i`` by worker ``i % W`` (a stream:
-        the next batch of each worker in turn), each into one of the worker's slots."""
+        """Batches built by the worker processes, taken from each active worker in turn:
+        map-style task ``i`` by worker ``i % W``; a stream, the next batch of each worker's
+        stream until it ends. Each is built into one of the worker's slots."""
         workers = self.num_workers
         free = [queue.Queue() for _ in range(workers)]
         for q in free:
             for slot in range(self.prefetch + 1):
                 q.put(slot)
         pending: list[deque] = [deque() for _ in range(workers)]  # slots asked for, in order
+        stream = isinstance(tasks, Stream)
+        if stream:
+            self._passes += 1
+            start, steps = tasks.start or {}, tasks.steps
+            first = dict(start.get("streams", {}))  # each worker's start, sent with its first ask
+        else:
+            tasks = list(tasks)
+            start, steps = {}, len(tasks)
+            todo = [deque(tasks[w::workers]) for w in range(workers)]
+        state = {
+            "streams": dict(start.get("streams", {})),
+            "active": list(start.get("active", range(workers))),
+            "turn": start.get("turn", 0),
+            "taken": start.get("taken", 0),
+        }
 
-        def send(w: int, op: str, task, block: bool = False) -> bool:
-            """Ask worker ``w`` for a batch, if one of its slots is free (``block``: once
-            the consumer frees one)."""
+        def ask(w: int, block: bool = False) -> bool:
+            """Ask worker ``w`` for its next batch if it has one to build and one of its
+            slots is free (``block``: once the consumer frees one)."""
+            if not stream and not todo[w]:
+                return False
             try:
                 slot = self._wait(free[w], stop) if block else free[w].get_nowait()
             except queue.Empty:
                 return False
-            self._workers[w][1].send((op, slot, task))
+            if stream:
+                request = ("next", slot, (self._passes, tasks.spec, first.pop(w, None)))
+            else:
+                request = ("build", slot, todo[w].popleft())
+            self._workers[w][1].send(request)
             pending[w].append(slot)
             return True
 
-        def receive(w: int, stream: dict | None = None):
-            status, slot, layout, position = self._receive(w, pending[w])
-            if status != "ok":
-                free[w].put(slot)
-                return None
-            batch = from_layout(self._buffers[(w, slot)], layout)
-            if stream is not None:  # where the whole stream stands once this is consumed
-                stream["streams"][w] = position
-                position = {
-                    **stream,
-                    "streams": dict(stream["streams"]),
-                    "active": [*stream["active"]],
-                }
-            return self._handoff(batch, lambda w=w, s=slot: free[w].put(s), position)
-
         try:
-            if isinstance(tasks, Stream):
-                self._passes += 1
-                start = tasks.start or {}
-                state = {
-                    "streams": dict(start.get("streams", {})),
-                    "active": list(start.get("active", range(workers))),
-                    "turn": start.get("turn", 0),
-                    "taken": start.get("taken", 0),
-                }
-                first = dict(state["streams"])  # each worker's start, sent with its first ask
-
-                def ask(w: int, block: bool = False) -> bool:
-                    task = (self._passes, tasks.spec, first.pop(w, None))
-                    if send(w, "next", task, block):
-                        return True
-                    first.setdefault(w, task[2])  # not sent: kept for the next ask
-                    return False
-
-                while state["active"] and state["taken"] < tasks.steps:
-                    active = state["active"]
-                    for w in active:
-                        while ask(w):
-                            pass
-                    w = active[state["turn"] % len(active)]
-                    if not pending[w]:  # every slot of w is with the consumer
-                        ask(w, block=True)
-                    state["turn"] += 1
-                    state["taken"] += 1
-                    item = receive(w, state)
-                    if item is None:  # this worker's stream is done
-                        state["turn"] -= 1
-                        state["taken"] -= 1
-                        while pending[w]:
-                            receive(w)
-                        active.remove(w)
-                        continue
-                    yield item
-                return
-            tasks = list(tasks)
-            order: deque = deque()
-            sent = 0
-            while sent < len(tasks) or order:
-                while sent < len(tasks) and send(sent % workers, "build", tasks[sent]):
-                    order.append(sent % workers)
-                    sent += 1
-                if not order:  # every slot is with the consumer: wait for one
-                    send(sent % workers, "build", tasks[sent], block=True)
-                    order.append(sent % workers)
-                    sent += 1
+            while state["active"] and state["taken"] < steps:
+                active = state["active"]
+                for w in active:
+                    while ask(w):
+                        pass
+                w = active[state["turn"] % len(active)]
+                # every slot of w is with the consumer: wait for one; none left: w is done
+                if not pending[w] and not ask(w, block=True):
+                    active.remove(w)
+                    continue
                 if stop.is_set():
                     raise _Stopped
-                yield receive(order.popleft())
+                status, slot, layout, position = self._receive(w, pending[w])
+                if status != "ok":  # this worker's stream is done
+                    while pending[w]:
+                        self._receive(w, pending[w])
+                    active.remove(w)
+                    continue
+                state["turn"] += 1
+                state["taken"] += 1
+                if stream:  # where the whole stream stands once this is consumed
+                    state["streams"][w] = position
+                    position = {**state, "streams": dict(state["streams"]), "active": [*active]}
+                batch = from_layout(self._buffers[(w, slot)], layout)
+                yield self._handoff(batch, lambda w=w, s=slot: free[w].put(s), position)
         finally:
             for w in range(workers):  # answers still out (a pass ended early): dropped
                 while pending[w] and self._workers:

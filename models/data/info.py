@@ -61,15 +61,11 @@ def need_path(path: Path | str | None, flag: str, what: str) -> Path | str:
     ``AWS_ENDPOINT_URL`` for S3)."""
     if path is None:
         raise DataError(f"this model reads {what}: pass {flag} PATH")
-    if is_url(path):
-        return need_url(str(path), what)
-    if not Path(path).exists():
-        raise DataError(f"{path}: not found ({what}); run `dvc repro` to build it")
-    return Path(path)
-
-
-def need_url(url: str, what: str) -> str:
-    """``url`` if something is there, else a one-line :class:`DataError` saying what to do."""
+    if not is_url(path):
+        if not Path(path).exists():
+            raise DataError(f"{path}: not found ({what}); run `dvc repro` to build it")
+        return Path(path)
+    url = str(path)
     if url.startswith(("s3://", "s3a://")):
         require_extra("s3fs", "s3", f"reading {url}")
     import fsspec

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partialmethod
 from pathlib import Path
 
 import numpy as np
@@ -195,56 +196,44 @@ class PairData:
         "image" (split image positions ``index``), "text" (split caption positions) or
         "pair" (captions ``index``, each with its image in the same row: positives on the
         diagonal)."""
-        index = np.asarray(index, dtype=np.int64)
-        if kind == "image":
-            images, captions = index, None
-            out = self._image_arrays(index, alloc)
-        elif kind == "text":
-            images, captions = None, index
-            out = self._text_arrays(index, alloc)
-        elif kind == "pair":
-            images, captions = self.caption_image[index], index
-            out = {
-                **self._image_arrays(images, alloc),
-                **self._text_arrays(index, alloc),
-                "caption_image": put(alloc, images),
-            }
-        else:
+        if kind not in ("image", "text", "pair"):
             raise ValueError(f"unknown batch kind {kind!r}: image, text or pair")
+        index = np.asarray(index, dtype=np.int64)
+        images = self.caption_image[index] if kind == "pair" else index
+        out: dict[str, np.ndarray] = {}
+        if kind != "text":
+            rows = {role: r[images] for role, r in self.image_rows.items()}
+            out = image_arrays(self.inputs, self.stores, rows, alloc)
+            if "labels" in self.inputs:
+                out["labels"] = put(alloc, self.labels[images])
+        if kind != "image":
+            if "text" in self.stores:
+                rows, dim = self.caption_rows[index], self.info.tfidf_dim
+                out.update(text_arrays(self.inputs, self.stores["text"], rows, dim, alloc))
+            if self.graphs is not None:
+                graphs = scene_graph_batch([self.graphs[c] for c in index], self.word_index)
+                out.update({k: v.numpy() for k, v in graphs.items()})
+            if "labels" in self.inputs:
+                out["text_labels"] = put(alloc, self.labels[self.caption_image[index]])
+        if kind == "pair":
+            out["caption_image"] = put(alloc, images)
         refuse_non_finite_inputs(
             out,
             {role: store.url for role, store in self.stores.items()},
-            _KeysAt(self.image_keys, images),
-            _KeysAt(self.caption_keys, captions),
+            _KeysAt(self.image_keys, images),  # (looked up only for an image-side input)
+            _KeysAt(self.caption_keys, index),  # (only for a text-side input)
         )
         return out
 
-    def _image_arrays(self, images: np.ndarray, alloc) -> dict[str, np.ndarray]:
-        rows = {role: r[images] for role, r in self.image_rows.items()}
-        out = image_arrays(self.inputs, self.stores, rows, alloc)
-        if "labels" in self.inputs:
-            out["labels"] = put(alloc, self.labels[images])
-        return out
+    def batch(self, kind: str, index: np.ndarray) -> dict[str, torch.Tensor]:
+        """The :meth:`build` of ``kind`` at ``index`` as the models read it (standardised if
+        asked): ``image_batch(images)``, ``text_batch(captions)``, ``pair_batch(captions)``
+        (caption ``captions[b]`` with its image in row ``b``: positives on the diagonal)."""
+        return finish(as_tensors(self.build(kind, index)), self.stats)
 
-    def _text_arrays(self, captions: np.ndarray, alloc) -> dict[str, np.ndarray]:
-        out: dict = {}
-        if "text" in self.stores:
-            rows = self.caption_rows[captions]
-            out = text_arrays(self.inputs, self.stores["text"], rows, self.info.tfidf_dim, alloc)
-        if self.graphs is not None:
-            graphs = scene_graph_batch([self.graphs[c] for c in captions], self.word_index)
-            out.update({k: v.numpy() for k, v in graphs.items()})
-        if "labels" in self.inputs:
-            out["text_labels"] = put(alloc, self.labels[self.caption_image[captions]])
-        return out
-
-    def image_batch(self, images: np.ndarray) -> dict[str, torch.Tensor]:
-        """Image-side tensors for split positions ``images``, ready (standardised if asked)."""
-        return finish(as_tensors(self.build("image", images)), self.stats)
-
-    def text_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
-        """Text-side tensors for split caption positions ``captions``, ready."""
-        return finish(as_tensors(self.build("text", captions)), self.stats)
+    image_batch = partialmethod(batch, "image")
+    text_batch = partialmethod(batch, "text")
+    pair_batch = partialmethod(batch, "pair")
 
     def with_adversarial(self, store: Path | str | None, captions: Path) -> PairData:
         """The fake captions of this split's images (``vse extract adversarial``) as a text
@@ -278,8 +267,3 @@ class PairData:
         if self.graphs is not None:
             fake.graphs = rows
         return fake
-
-    def pair_batch(self, captions: np.ndarray) -> dict[str, torch.Tensor]:
-        """Caption ``captions[b]`` with its image in row ``b``, ready: positives on the
-        diagonal."""
-        return finish(as_tensors(self.build("pair", captions)), self.stats)

@@ -153,10 +153,12 @@ class ShardData:
             for g, read in enumerate(groups):
                 if read is not None:
                     held[(int(s), g)] = read
-        reading = None
-        if shard < len(mine):
-            groups = read_groups(url[shard], recorded[shard], self.storage_options, group.__le__)
-            reading = enumerate(groups)
+
+        def opened():  # shard `shard` from group `group` (those before it are not decoded)
+            if shard >= len(mine):
+                return None
+            keep = group.__le__
+            return enumerate(read_groups(url[shard], recorded[shard], self.storage_options, keep))
 
         def position() -> dict:
             return {
@@ -167,6 +169,7 @@ class ShardData:
                 "rng": _rng_text(rng.bit_generator.state),
             }
 
+        reading = opened()
         while True:
             while ready >= self.batch_size:
                 chosen, refs = refs[: self.batch_size], refs[self.batch_size :]
@@ -178,12 +181,9 @@ class ShardData:
             got = next(reading, None)
             if got is None:  # this shard is done: the next one, or the stream's last batches
                 shard, group = shard + 1, 0
-                if shard < len(mine):
-                    groups = read_groups(url[shard], recorded[shard], self.storage_options)
-                    reading = enumerate(groups)
-                    continue
-                reading = None
-                refs, ready = refs[rng.permutation(len(refs))], len(refs)
+                reading = opened()
+                if reading is None:
+                    refs, ready = refs[rng.permutation(len(refs))], len(refs)
                 continue
             g, read = got
             if g < group:  # read before the position (not decoded)

@@ -10,6 +10,7 @@ used by that stream so the caching allocator does not hand its memory out early.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import chain, pairwise
 
 import torch
 
@@ -17,14 +18,9 @@ import torch
 def one_ahead(items: Iterator, start: Callable) -> Iterator[tuple[object, object]]:
     """``(item, start(item))`` in order, ``start`` called on item ``i + 1`` before item ``i``
     is handed out: the next item's work begins before the consumer's step."""
-    pending = None
-    for item in items:
-        begun = (item, start(item))
-        if pending is not None:
-            yield pending
-        pending = begun
-    if pending is not None:
-        yield pending
+    begun = ((item, start(item)) for item in items)
+    for current, _ in pairwise(chain(begun, [None])):  # (item i, item i + 1 begun)
+        yield current
 
 
 def staged_on_cuda(

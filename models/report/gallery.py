@@ -89,7 +89,7 @@ def gallery_data(model, data, img, txt, device) -> dict:
     models, the views of a few images over their regions."""
     import torch
 
-    from models.data.arrays import to_device
+    from models.data.arrays import image_arrays, to_device
 
     queried = image_queries(data.n_images)
     captions = np.searchsorted(data.caption_image, caption_query_images(data.n_images))
@@ -107,9 +107,8 @@ def gallery_data(model, data, img, txt, device) -> dict:
     if hasattr(model, "view_attention") and regions is not None and "boxes" in regions.fields:
         chosen = query_positions(data.n_images, VIEW_IMAGES)
         batch = to_device(data.image_batch(np.asarray(chosen)), device)
-        rows = data.image_rows["regions"][chosen]
-        hw = np.maximum(regions.gather("image_hw", rows).astype(np.float32), 1)  # (B, 2)
-        boxes = regions.gather("boxes", rows) / hw[:, [1, 0, 1, 0]][:, None, :]  # (B, R, 4)
+        rows = {"regions": data.image_rows["regions"][chosen]}
+        boxes = image_arrays({"regions", "boxes"}, data.stores, rows)["boxes"]  # (B, R, 4)
         entries = view_regions(model, batch, txt, data.captions, data.caption_keys, boxes)
         out["views"] = [
             {"image": data.image_keys[i], **e} for i, e in zip(chosen, entries, strict=True)

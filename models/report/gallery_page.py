@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import textwrap
 from pathlib import Path
 
@@ -232,12 +231,3 @@ window.addEventListener("load", () => {{
 </script>
 </body></html>
 """
-
-
-def load_galleries(paths: list[Path]) -> dict[str, dict]:
-    """Model -> gallery data, from the files ``vse evaluate`` wrote."""
-    out = {}
-    for path in paths:
-        data = json.loads(path.read_text())
-        out[data["model"]] = data
-    return out

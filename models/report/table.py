@@ -262,7 +262,7 @@ def write_galleries(
     import json
 
     from features.ingest.manifest import read_manifest
-    from models.report.gallery_page import load_galleries, write_gallery
+    from models.report.gallery_page import write_gallery
 
     table = read_manifest(manifest).table
     image_paths = {
@@ -273,4 +273,5 @@ def write_galleries(
     if extremes is not None:
         every = json.loads(extremes.read_text())
         consistency = {split: every[split] for split in ("test",) if split in every}
-    return write_gallery(load_galleries(galleries), image_paths, consistency, html, pngs)
+    loaded = [json.loads(path.read_text()) for path in galleries]
+    return write_gallery({g["model"]: g for g in loaded}, image_paths, consistency, html, pngs)
