@@ -112,11 +112,6 @@ class DetectorConfig(Section):
             return [64, 128, 256, 512]
         return [32 * 2**k for k in range(self.fpn_levels)]
 
-    def pre_nms_test(self) -> int:
-        if self.rpn_pre_nms_test is not None:
-            return self.rpn_pre_nms_test
-        return 6000 if self.is_c4 else 1000
-
     @model_validator(mode="after")
     def _anchors(self) -> DetectorConfig:
         if self.is_c4 and self.image_loss_weight > 0:

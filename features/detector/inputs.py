@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 from torchvision.models.detection.image_list import ImageList
+from torchvision.transforms import functional as TF
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -16,18 +16,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB PIL image -> normalised (3, H, W) float tensor."""
-    array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    return (array - mean) / std
+    return TF.normalize(TF.to_tensor(image), IMAGENET_MEAN, IMAGENET_STD)
 
 
 def resize_for_detection(image: Image.Image, min_side: int, max_side: int):
-    """Shorter side to ``min_side`` unless the longer would pass ``max_side``."""
+    """The normalised (3, h, w) tensor of ``image`` with its shorter side at ``min_side``
+    unless the longer would pass ``max_side``, and the scale."""
     w, h = image.size
     scale = min(min_side / min(w, h), max_side / max(w, h))
     size = (max(round(w * scale), 1), max(round(h * scale), 1))
-    return image.resize(size, Image.BILINEAR), scale
+    return to_tensor(image.resize(size, Image.BILINEAR)), scale
 
 
 def batch_images(tensors: Sequence[torch.Tensor]) -> ImageList:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from features.decode import BadImage, load_image
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
-from features.detector.inputs import resize_for_detection, to_tensor
+from features.detector.inputs import resize_for_detection
 from infra.resume import ignore_stop_signals
 
 
@@ -56,8 +56,7 @@ class DetectionItems(Dataset):
             image = load_image(self.root / record.path)  # Pillow's decompression-bomb limit
         except BadImage as err:
             return {"index": i, "error": f"{record.path}: {err.reason} ({err.detail})"}
-        resized, scale = resize_for_detection(image, self.cfg.min_side, self.cfg.max_side)
-        tensor = to_tensor(resized)  # (3, h, w)
+        tensor, scale = resize_for_detection(image, self.cfg.min_side, self.cfg.max_side)
         boxes = torch.tensor(record.boxes, dtype=torch.float32).reshape(-1, 4) * scale
         w = tensor.shape[2]
         boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w)

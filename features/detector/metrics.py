@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import box_iou
 
 from features.detector.config import DetectorConfig
@@ -99,7 +98,6 @@ def evaluate_detector(
     """mAP@0.5 (VOC), recall of ground truth by detections and by proposals, class and
     attribute accuracy on ground-truth boxes (see the module docstring); plain data."""
     model.eval()
-    device = torch.device(device)
     items = DetectionItems(images, images_root, cfg, classes, attributes)
     jobs = [
         [(i, False) for i in range(s, min(s + batch_size, len(images)))]
@@ -116,7 +114,7 @@ def evaluate_detector(
             continue
         packed = batch_images([b["image"].to(device) for b in good])
         features, _ = backbone_with_conv5(model, packed.tensors)
-        props, _ = model.rpn(ImageList(packed.tensors, packed.image_sizes), features)
+        props, _ = model.rpn(packed, features)
         found, _ = heads(features, props, packed.image_sizes)
         gt_boxes = [b["target"]["boxes"].to(device) for b in good]
         gt_labels = [b["target"]["labels"].to(device) for b in good]

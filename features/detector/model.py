@@ -89,18 +89,6 @@ class ResNetTrunk(nn.Module):
         return x
 
 
-class C4Backbone(nn.Module):
-    """Stem..res4 (stride 16): the trunk under ``backbone.body``, as torchvision names it."""
-
-    def __init__(self, depth: int, zero_init_residual: bool = False):
-        super().__init__()
-        self.body = ResNetTrunk(depth, stages=3, zero_init_residual=zero_init_residual)
-        self.out_channels = self.body.dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
 class Res5Head(nn.Module):
     """The C4 box head: res5 on 14x14 RoI features, then mean pooling (Anderson et al.)."""
 
@@ -235,7 +223,7 @@ def build_detector_model(
     rpn = {
         "rpn_pre_nms_top_n_train": cfg.rpn_pre_nms_train,
         "rpn_post_nms_top_n_train": cfg.rpn_post_nms_train,
-        "rpn_pre_nms_top_n_test": cfg.pre_nms_test(),
+        "rpn_pre_nms_top_n_test": cfg.rpn_pre_nms_test or (6000 if cfg.is_c4 else 1000),
         "rpn_post_nms_top_n_test": cfg.rpn_post_nms_test,
         "rpn_batch_size_per_image": cfg.rpn_batch_size,
         "box_batch_size_per_image": cfg.box_batch_size,
@@ -252,7 +240,9 @@ def build_detector_model(
         model = build(weights=None, weights_backbone=None, num_classes=num_classes, **rpn)
     else:
         if cfg.is_c4:
-            backbone = C4Backbone(depth, zero_init_residual)
+            # stem..res4 (stride 16) under ``backbone.body``, as torchvision names it
+            backbone = nn.Sequential(OrderedDict(body=ResNetTrunk(depth, 3, zero_init_residual)))
+            backbone.out_channels = backbone.body.dim
             head = Res5Head(make_resnet(depth, zero_init_residual).layer4)
             dim = conv5_dim
             pool = MultiScaleRoIAlign(["0"], output_size=14, sampling_ratio=0)

@@ -12,11 +12,9 @@ cosine schedule, per iteration.
 
 Deterministic: the image order and flips of epoch ``e`` come from ``(seed, e)``; the
 RPN/RoI samplers draw from torch's global generator, seeded once and saved in ``last.pt``
-with the optimiser and scheduler after every epoch, and within an epoch every
-``checkpoint_every_steps`` steps / ``checkpoint_every_minutes`` minutes and on SIGTERM or
-SIGINT (then exit status 75; :mod:`infra.resume`), with the step reached: ``resume`` gives
-the loader only the batches after it and ends bit-identical to an uninterrupted run.
-Metrics hold no timings.
+(:class:`infra.trainer.Trainer`: after epochs, within them and on SIGTERM or SIGINT) with
+the step reached, so ``resume`` ends bit-identical to an uninterrupted run. Metrics hold no
+timings.
 """
 
 from __future__ import annotations
@@ -150,7 +148,6 @@ def train_detector(
 
     ``progress(total=n)`` gives a bar (``update(k)``, ``close()``) per epoch.
     """
-    out_dir = Path(out_dir)
     train_images = dataset.split("train")
     if len(train_images) < cfg.batch_size:
         raise DetectorTrainingError(
@@ -161,7 +158,7 @@ def train_detector(
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
     try:
-        return _train(dataset, images_root, cfg, out_dir, device, resume, log, progress)
+        return _train(dataset, images_root, cfg, Path(out_dir), device, resume, log, progress)
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
@@ -220,16 +217,81 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
         f"{len(train_images)} train / {len(val_images)} val images; {cfg.epochs} epochs of "
         f"{steps_per_epoch} steps on {device}"
     )
-    run = _Epochs(trainer, params, frozen_bn, items, cfg, progress)
+    weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
+    skipped: set[int] = set()  # unreadable images, reported once
+    speed = {"seen": 0, "seconds": 0.0}  # of the last epoch
+
+    def step(good: list[dict], sums: dict[str, float], epoch: int, i: int) -> None:
+        """One optimizer step on the readable images of a batch; adds its terms to ``sums``."""
+        images = [b["image"].to(device) for b in good]
+        targets = [{k: v.to(device) for k, v in b["target"].items()} for b in good]
+        parts = _losses(model, images, targets)
+        loss = sum(v * weights.get(k, 1.0) for k, v in parts.items())
+        if not torch.isfinite(loss):
+            kept = str(trainer.last_path) if trainer.last_path.exists() else "none yet"
+            raise DetectorTrainingError(
+                f"detector: loss is {loss.item()} at epoch {epoch} step {i}; stopped. "
+                f"Kept the last good checkpoint: {kept}. Lower detector.lr or raise "
+                "detector.warmup_steps, then rerun with --resume"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        parts["loss"] = loss
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach())
+
+    def run_epoch(epoch: int, within: dict | None) -> dict:
+        """One epoch of steps, from a step checkpoint's ``within`` on (the loader is given only
+        the batches after it); returns the history row (mean loss terms, lr). After each
+        step the trainer decides whether ``last.pt`` is written."""
+        tick = time.perf_counter()
+        model.train()
+        for m in frozen_bn:
+            m.eval()
+        batches = epoch_jobs(len(items), cfg, epoch)
+        first, seen, sums = 0, 0, {}
+        if within is not None:
+            first, seen, sums = within["step"], within["seen"], dict(within["sums"])
+            skipped.update(within["skipped"])
+        bar = progress(total=len(batches) * cfg.batch_size) if progress else None
+        if bar is not None and first:
+            bar.update(first * cfg.batch_size)
+        loader = make_loader(items, batches[first:], cfg, cfg.seed + epoch)
+        for i, batch in enumerate(loader, first):
+            good = [b for b in batch if b["error"] is None]
+            for b in batch:
+                if b["error"] is not None and b["index"] not in skipped:
+                    skipped.add(b["index"])
+                    log(f"detector: skipping unreadable image {b['error']}")
+            if good:
+                step(good, sums, epoch, i)
+            seen += len(batch)
+            if bar is not None:
+                bar.update(len(batch))
+            trainer.step_done(
+                epoch,
+                i + 1,
+                len(batches),
+                lambda seen=seen: {"seen": seen, "sums": dict(sums), "skipped": sorted(skipped)},
+            )
+        if bar is not None:
+            bar.close()
+        row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
+        row["lr"] = optimizer.param_groups[0]["lr"]
+        speed.update(seen=seen, seconds=time.perf_counter() - tick)
+        return row
 
     def after_save(epoch: int, row: dict, state: dict) -> None:
         log(
             f"detector epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f} ("
             + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("loss_"))
-            + f"), {run.seen / run.seconds:.1f} img/s, {run.seconds:.0f} s"
+            + f"), {speed['seen'] / speed['seconds']:.1f} img/s, {speed['seconds']:.0f} s"
         )
 
-    history = trainer.fit(cfg.epochs, run.epoch, after_save=after_save)
+    history = trainer.fit(cfg.epochs, run_epoch, after_save=after_save)
     tick = time.perf_counter()
     metrics = evaluate_detector(
         model, val_images, images_root, cfg, classes, attributes, device, progress=progress
@@ -244,84 +306,3 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
     }
     save_torch(detector_checkpoint(model, cfg, classes, attributes), out_dir / FINAL)
     return metrics
-
-
-class _Epochs:
-    """The detector's epochs on a :class:`infra.trainer.Trainer`, resumable mid-epoch; the
-    last epoch's images seen and seconds taken are ``seen`` and ``seconds``."""
-
-    def __init__(self, trainer: Trainer, params, frozen_bn, items, cfg, progress):
-        self.trainer, self.params, self.frozen_bn = trainer, params, frozen_bn
-        self.items, self.cfg, self.progress = items, cfg, progress
-        self.weights = {"loss_attribute": cfg.attribute_weight, "loss_image": cfg.image_loss_weight}
-        self.skipped: set[int] = set()
-        self.seen, self.seconds = 0, 0.0
-
-    def epoch(self, epoch: int, within: dict | None) -> dict:
-        """One epoch of steps, from a step checkpoint's ``within`` on (the loader is given only
-        the batches after it); returns the history row (mean loss terms, lr). After each
-        step the trainer decides whether ``last.pt`` is written."""
-        tick = time.perf_counter()
-        trainer, cfg = self.trainer, self.cfg
-        trainer.model.train()
-        for m in self.frozen_bn:
-            m.eval()
-        batches = epoch_jobs(len(self.items), cfg, epoch)
-        first, seen, sums = 0, 0, {}
-        if within is not None:
-            first, seen, sums = within["step"], within["seen"], dict(within["sums"])
-            self.skipped.update(within["skipped"])
-        bar = self.progress(total=len(batches) * cfg.batch_size) if self.progress else None
-        if bar is not None and first:
-            bar.update(first * cfg.batch_size)
-        loader = make_loader(self.items, batches[first:], cfg, cfg.seed + epoch)
-        for step, batch in enumerate(loader, first):
-            good = [b for b in batch if b["error"] is None]
-            for b in batch:
-                if b["error"] is not None and b["index"] not in self.skipped:
-                    self.skipped.add(b["index"])
-                    trainer.log(f"detector: skipping unreadable image {b['error']}")
-            if good:
-                self._step(good, sums, epoch, step)
-            seen += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
-            trainer.step_done(
-                epoch,
-                step + 1,
-                len(batches),
-                lambda seen=seen: {
-                    "seen": seen,
-                    "sums": dict(sums),
-                    "skipped": sorted(self.skipped),
-                },
-            )
-        if bar is not None:
-            bar.close()
-        row = {"epoch": epoch, **{k: round(v / len(batches), 6) for k, v in sums.items()}}
-        row["lr"] = trainer.optimizer.param_groups[0]["lr"]
-        self.seen, self.seconds = seen, time.perf_counter() - tick
-        return row
-
-    def _step(self, good: list[dict], sums: dict[str, float], epoch: int, step: int) -> None:
-        """One optimizer step on the readable images of a batch; adds its terms to ``sums``."""
-        trainer = self.trainer
-        images = [b["image"].to(trainer.device) for b in good]
-        targets = [{k: v.to(trainer.device) for k, v in b["target"].items()} for b in good]
-        parts = _losses(trainer.model, images, targets)
-        loss = sum(v * self.weights.get(k, 1.0) for k, v in parts.items())
-        if not torch.isfinite(loss):
-            kept = str(trainer.last_path) if trainer.last_path.exists() else "none yet"
-            raise DetectorTrainingError(
-                f"detector: loss is {loss.item()} at epoch {epoch} step {step}; stopped. "
-                f"Kept the last good checkpoint: {kept}. Lower detector.lr or raise "
-                "detector.warmup_steps, then rerun with --resume"
-            )
-        trainer.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        trainer.optimizer.step()
-        trainer.scheduler.step()
-        parts["loss"] = loss
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + float(v.detach())

@@ -127,6 +127,15 @@ PICKLE_GLOBALS = {
 }
 
 
+def pickle_refused(param: str, spec: str) -> WeightsError:
+    """The error for a ``.pkl`` checkpoint without ``regions.allow_pickle_weights``."""
+    return WeightsError(
+        f"{param}: {spec}: a .pkl checkpoint is a pickle, which can run code when "
+        "loaded; set regions.allow_pickle_weights: true if you trust its source, or "
+        "convert it to .pth"
+    )
+
+
 def _read_pickle(file: Path, spec: str, param: str, allow_pickle: bool) -> dict:
     """A detectron2 ``.pkl`` (``{"model": {name: ndarray}, ...}``) as tensors."""
     import pickle
@@ -134,11 +143,7 @@ def _read_pickle(file: Path, spec: str, param: str, allow_pickle: bool) -> dict:
     import numpy as np
 
     if not allow_pickle:
-        raise WeightsError(
-            f"{param}: {spec}: a .pkl checkpoint is a pickle, which can run code when "
-            "loaded; set regions.allow_pickle_weights: true if you trust its source, or "
-            "convert it to .pth"
-        )
+        raise pickle_refused(param, spec)
 
     class Arrays(pickle.Unpickler):
         def find_class(self, module: str, name: str):
@@ -221,20 +226,10 @@ def describe(obj: dict) -> str:
     return "a state dict of an unknown layout"
 
 
-def key_summary(missing: list[str], unexpected: list[str]) -> str:
-    """``N missing (prefix counts; e.g. ...), M unexpected (...)`` in one line."""
-    parts = []
-    for what, keys in (("missing", missing), ("unexpected", unexpected)):
-        if keys:
-            counts = Counter(k.split(".")[0] + ".*" for k in keys).most_common(4)
-            prefixes = ", ".join(f"{p} {n}" for p, n in counts)
-            parts.append(f"{len(keys)} {what} keys ({prefixes}; e.g. {', '.join(keys[:2])})")
-    return ", ".join(parts) or "no key differences"
-
-
 def load_exact(module: nn.Module, state: dict, param: str, what: str, obj_desc: str) -> None:
     """Load ``state`` into ``module``: every key must match (BatchNorm's
-    ``num_batches_tracked`` may be absent), or one line says what differs."""
+    ``num_batches_tracked`` may be absent), or one line says what differs (``N missing
+    keys (prefix counts; e.g. ...), M unexpected keys (...); shape mismatches``)."""
     own = module.state_dict()
     missing = [k for k in own if k not in state and not k.endswith(OPTIONAL_SUFFIXES)]
     unexpected = [k for k in state if k not in own]
@@ -244,7 +239,13 @@ def load_exact(module: nn.Module, state: dict, param: str, what: str, obj_desc: 
         if k in state and state[k].shape != own[k].shape
     ]
     if missing or unexpected or shapes:
-        detail = key_summary(missing, unexpected)
+        parts = []
+        for kind, keys in (("missing", missing), ("unexpected", unexpected)):
+            if keys:
+                counts = Counter(k.split(".")[0] + ".*" for k in keys).most_common(4)
+                prefixes = ", ".join(f"{p} {n}" for p, n in counts)
+                parts.append(f"{len(keys)} {kind} keys ({prefixes}; e.g. {', '.join(keys[:2])})")
+        detail = ", ".join(parts) or "no key differences"
         if shapes:
             detail += f"; {len(shapes)} shape mismatches (e.g. {shapes[0]})"
         raise WeightsError(f"{param}: {obj_desc} does not fit {what}: {detail}")

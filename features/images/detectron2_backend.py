@@ -22,12 +22,14 @@ only the network is detectron2's. Not covered: MILVLG's own YAML (its meta-archi
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from features.detector.weights import pickle_refused
 from features.images.butd.extractor import ButdRegionExtractor
 from features.images.butd.model import ButdSpec
 from features.images.config import RegionsConfig
@@ -38,14 +40,11 @@ INSTALL = (
     "<detectron2 source>, see docs/tutorials/butd-weights.md) or set regions.backend: "
     "torchvision (the native model reads the same checkpoints)"
 )
-_REGISTERED = False
 
 
+@functools.cache
 def register() -> None:
     """Register the fork's backbone and ROI heads with detectron2 (once)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
     from detectron2.layers import ShapeSpec
     from detectron2.modeling import BACKBONE_REGISTRY, ROI_HEADS_REGISTRY
     from detectron2.modeling.backbone.resnet import BasicStem, build_resnet_backbone
@@ -95,8 +94,6 @@ def register() -> None:
                 shape = ShapeSpec(channels=channels, height=1, width=1)
                 ret["box_predictor"] = AttributeOutputLayers(cfg, shape, box.NUM_ATTRS)
             return ret
-
-    _REGISTERED = True
 
 
 def butd_config(path: str):
@@ -176,11 +173,7 @@ def build_detectron2_extractor(cfg: RegionsConfig, device: torch.device) -> Butd
             "regions.weights (a local checkpoint)"
         )
     if cfg.weights.endswith(".pkl") and not cfg.allow_pickle_weights:
-        raise UserError(
-            f"regions.weights {cfg.weights}: a .pkl checkpoint is a pickle, which can run code "
-            "when loaded; convert it to .pth, or set regions.allow_pickle_weights: true if "
-            "you trust its source"
-        )
+        raise pickle_refused("regions.weights", cfg.weights)
     try:
         from detectron2.checkpoint import DetectionCheckpointer
         from detectron2.modeling import build_model

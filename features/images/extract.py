@@ -165,24 +165,22 @@ def extract_images(
     shards: Sequence[int] | None = None,
 ) -> Timing:
     """Fill the store at ``store_path`` with the extractor's features for every manifest
-    image (resuming a partial store); returns the per-phase timing.
-
-    With ``shards``, extract only those shards of a store that a coordinator created
-    (:func:`image_store_writer`), as one of several concurrent shard writers; the store is
-    finalized by the coordinator once every shard is committed.
-    """
+    image (resuming a partial store), or only ``shards`` of a store a coordinator created
+    (:func:`image_store_writer`); returns the per-phase timing."""
     rows = manifest.table.to_pylist()
     timing = Timing()
     start_all = time.perf_counter()
     writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)
     dtypes = {name: spec.dtype for name, spec in writer.fields.items()}
     # batch i is finished (selection, packing) on one thread, and its complete shards are
-    # written on another, while batch i+1 runs on the device
+    # written on another, while batch i+1 runs on the device; on an error, no write outlives
+    # the writer's lock
     with (
         writer,
-        _Shards(writer, rows, timing) as out,
+        ThreadPoolExecutor(max_workers=1) as writes,
         ThreadPoolExecutor(max_workers=1) as finishing,
     ):
+        out = _Shards(writer, rows, timing, writes)
         order = [i for shard in out.pending for i in range(*writer.shard_range(shard))]
         loader = DataLoader(
             ImageItems([rows[i] for i in order], order, images_root, extractor.prepare, cfg),
@@ -219,6 +217,7 @@ def extract_images(
             previous = current
         if bar is not None:
             bar.close()
+        out.wait()  # the last write (its error raised)
     timing.seconds = time.perf_counter() - start_all
     return timing
 
@@ -259,12 +258,11 @@ class _Shards:
     in order, by a background thread while the next batches run. Waiting for the previous
     write is what writing adds to the wall time (``timing.write``)."""
 
-    def __init__(self, writer: StoreWriter | RemoteStoreWriter, rows: list[dict], timing):
-        self.writer, self.rows, self.timing = writer, rows, timing
+    def __init__(self, writer: StoreWriter | RemoteStoreWriter, rows: list[dict], timing, writes):
+        self.writer, self.rows, self.timing, self.writes = writer, rows, timing, writes
         self.pending = writer.pending_shards()
         self.records: dict[int, dict] = {}
         self.notes: dict[str, list[str]] = {}
-        self.writes = ThreadPoolExecutor(max_workers=1)
         self.last: Future | None = None
 
     def add(self, stored: Iterable[tuple[int, dict, list[str] | None]]) -> None:
@@ -283,22 +281,10 @@ class _Shards:
             data = {name: np.stack([r[name] for r in records]) for name in self.writer.fields}
             keys = [self.rows[i]["key"] for i in range(lo, hi)]
             notes = {k: self.notes.pop(k) for k in keys if k in self.notes}
-            self._wait()
+            self.wait()
             self.last = self.writes.submit(self.writer.write_shard, shard, data, notes)
 
-    def __enter__(self) -> _Shards:
-        return self
-
-    def __exit__(self, error_type, *_) -> None:
-        """The last write waited for (its error raised) on success; on an error, no write
-        outlives the writer's lock."""
-        try:
-            if error_type is None:
-                self._wait()
-        finally:
-            self.writes.shutdown(wait=True)
-
-    def _wait(self) -> None:
+    def wait(self) -> None:
         """Wait for the previous shard write (re-raising its error)."""
         if self.last is not None:
             tick = time.perf_counter()

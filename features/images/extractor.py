@@ -11,7 +11,6 @@ import torch
 
 from features.detector.weights import WeightsError
 from features.images.config import ExtractConfig
-from features.store.spec import FieldSpec
 
 DEFAULT_TRUNK = "resnet152"  # VSE++, UniVSE
 
@@ -21,16 +20,29 @@ DEFAULT_TRUNK = "resnet152"  # VSE++, UniVSE
 EXTRACTOR_VERSION = "2"  # 2: exact BUTD selection (classes of unsurvived proposals)
 
 
-def zeros(fields: dict[str, FieldSpec]) -> dict[str, np.ndarray]:
-    return {name: np.zeros(spec.shape, dtype=spec.dtype) for name, spec in fields.items()}
+class ImageExtractor:
+    """What the grid and regions extractors share: the model on ``device``, a batch run as
+    ``finish(forward(items))``, the record of an unreadable image and the fingerprint's
+    params. Subclasses give ``fields``, ``prepare``, ``forward`` and ``finish``."""
 
+    def __init__(self, model: torch.nn.Module, cfg: ExtractConfig, device: torch.device):
+        self.model = model.to(device)
+        self.cfg = cfg
+        self.device = device
 
-def feature_params(cfg: ExtractConfig) -> dict:
-    """The params that change the features, for the fingerprint (the weights enter as their
-    digest; batch size, workers, device and error threshold do not change a feature)."""
-    return cfg.model_dump(
-        exclude={"batch_size", "num_workers", "device", "weights", "max_error_fraction"}
-    )
+    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
+        return self.finish(items, self.forward(items))
+
+    def empty(self) -> dict[str, np.ndarray]:
+        """The record of an image that could not be read: zeros."""
+        return {name: np.zeros(s.shape, dtype=s.dtype) for name, s in self.fields().items()}
+
+    def provenance_params(self) -> dict:
+        """The params that change the features (the weights enter as their digest; batch
+        size, workers, device and error threshold do not change a feature)."""
+        return self.cfg.model_dump(
+            exclude={"batch_size", "num_workers", "device", "weights", "max_error_fraction"}
+        )
 
 
 def check_conflict(param: str, given, found, source: str) -> None:

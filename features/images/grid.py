@@ -25,11 +25,10 @@ from features.images.config import GridConfig
 from features.images.extractor import (
     DEFAULT_TRUNK,
     HostCopy,
+    ImageExtractor,
     check_conflict,
-    feature_params,
     to_device,
     warn_random_init,
-    zeros,
 )
 from features.store.spec import FieldSpec
 from infra.device import autocast
@@ -65,16 +64,14 @@ def build_trunk(cfg: GridConfig) -> ResNetTrunk:
     return trunk.eval()
 
 
-class GridExtractor:
+class GridExtractor(ImageExtractor):
     """conv5 map adaptively average-pooled to ``grid x grid`` (UniVSE), and the map's mean
     over all positions (the global pooled feature of VSE++)."""
 
     kind = "grid"
 
     def __init__(self, model: nn.Module, cfg: GridConfig, device: torch.device):
-        self.model = model.to(device)
-        self.cfg = cfg
-        self.device = device
+        super().__init__(model, cfg, device)
         self.dim = model.dim
 
     @property
@@ -93,9 +90,6 @@ class GridExtractor:
         w, h = image.size
         return {"image": to_tensor(centre_crop_resize(image, self.cfg.image_size)), "hw": (h, w)}
 
-    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
-        return self.finish(items, self.forward(items))
-
     @torch.no_grad()
     def forward(self, items: list[dict]) -> HostCopy:
         """The trunk over a batch, on the device: the pooled grids and means."""
@@ -111,9 +105,3 @@ class GridExtractor:
             {"features": g, "pooled": p, "image_hw": np.asarray(it["hw"], dtype=np.int32)}
             for g, p, it in zip(out["grid"].numpy(), out["pooled"].numpy(), items, strict=True)
         ]
-
-    def empty(self) -> dict[str, np.ndarray]:
-        return zeros(self.fields())
-
-    def provenance_params(self) -> dict:
-        return feature_params(self.cfg)

@@ -17,7 +17,7 @@ from torch import nn
 from torchvision.models.detection.image_list import ImageList
 
 from features.detector.config import DetectorConfig
-from features.detector.inputs import batch_images, resize_for_detection, to_tensor
+from features.detector.inputs import batch_images, resize_for_detection
 from features.detector.model import (
     backbone_with_conv5,
     build_detector_model,
@@ -35,11 +35,10 @@ from features.detector.weights import (
 from features.images.config import RegionsConfig
 from features.images.extractor import (
     HostCopy,
+    ImageExtractor,
     check_conflict,
-    feature_params,
     to_device,
     warn_random_init,
-    zeros,
 )
 from features.images.select import butd_select
 from features.store.spec import FieldSpec
@@ -114,15 +113,13 @@ def build_detector(cfg: RegionsConfig) -> nn.Module:
     return model.eval()
 
 
-class RegionExtractor:
+class RegionExtractor(ImageExtractor):
     """Region features from a torchvision Faster R-CNN, or at given boxes (``given``)."""
 
     kind = "regions"
 
     def __init__(self, model: nn.Module, cfg: RegionsConfig, device: torch.device):
-        self.model = model.to(device)
-        self.cfg = cfg
-        self.device = device
+        super().__init__(model, cfg, device)
         self.given = cfg.backend == "given"
         self.dim = model.roi_heads.box_predictor.cls_score.in_features
         self.width = cfg.max_boxes
@@ -145,8 +142,8 @@ class RegionExtractor:
 
     def prepare(self, image: Image.Image, row: dict) -> dict[str, Any]:
         """In a DataLoader worker: resize and normalise; scale given boxes alike."""
-        resized, scale = resize_for_detection(image, self.cfg.min_side, self.cfg.max_side)
-        return self._given_boxes({"image": to_tensor(resized), "scale": scale}, image, row)
+        tensor, scale = resize_for_detection(image, self.cfg.min_side, self.cfg.max_side)
+        return self._given_boxes({"image": tensor, "scale": scale}, image, row)
 
     def _given_boxes(self, item: dict, image: Image.Image, row: dict) -> dict:
         """``item`` with the image's height and width and, with ``given`` boxes, the first
@@ -156,9 +153,6 @@ class RegionExtractor:
             boxes = np.asarray(row.get("boxes") or np.zeros((0, 4)), dtype=np.float32)
             item["boxes"] = torch.from_numpy(boxes[: self.width]).reshape(-1, 4)
         return item
-
-    def __call__(self, items: list[dict]) -> list[dict[str, np.ndarray]]:
-        return self.finish(items, self.forward(items))
 
     @torch.no_grad()
     def forward(self, items: list[dict]) -> HostCopy:
@@ -214,10 +208,3 @@ class RegionExtractor:
             record["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
             outputs.append(record)
         return outputs
-
-    def empty(self) -> dict[str, np.ndarray]:
-        """The record of an image that could not be read: no regions."""
-        return zeros(self.fields())
-
-    def provenance_params(self) -> dict:
-        return feature_params(self.cfg)

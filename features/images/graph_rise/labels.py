@@ -24,21 +24,18 @@ import numpy as np
 KINDS = ("object", "attribute", "relation")
 
 
-def graph_labels(graph: dict) -> set[tuple[str, str]]:
-    """The ``(kind, text)`` labels of one caption's scene graph (a row of
-    ``graphs.parquet``: ``objects``, ``attributes``, ``relations``)."""
-    objects = [o["lemma"] for o in graph["objects"]]
-    out = {("object", o) for o in objects}
-    for a in graph["attributes"]:
-        out.add(("attribute", f"{a['lemma']} {objects[a['object']]}"))
-    for r in graph["relations"]:
-        out.add(("relation", f"{objects[r['subject']]} {r['lemma']} {objects[r['object']]}"))
-    return out
-
-
 def image_labels(graphs: Iterable[dict]) -> set[tuple[str, str]]:
-    """The union of the labels of an image's captions' graphs."""
-    return set().union(*(graph_labels(g) for g in graphs))
+    """The ``(kind, text)`` labels of an image: the union over its captions' scene graphs
+    (rows of ``graphs.parquet``: ``objects``, ``attributes``, ``relations``)."""
+    out = set()
+    for graph in graphs:
+        objects = [o["lemma"] for o in graph["objects"]]
+        out.update(("object", o) for o in objects)
+        for a in graph["attributes"]:
+            out.add(("attribute", f"{a['lemma']} {objects[a['object']]}"))
+        for r in graph["relations"]:
+            out.add(("relation", f"{objects[r['subject']]} {r['lemma']} {objects[r['object']]}"))
+    return out
 
 
 def label_vocabulary(per_image: Sequence[set[tuple[str, str]]], min_images: int) -> list[dict]:
