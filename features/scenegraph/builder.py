@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from features.scenegraph.factual import Raw, predicted_raw
 from features.scenegraph.gaps import Gaps
 from features.scenegraph.lexicon import (
     COLLECTIVE_NOUNS,
@@ -39,14 +40,9 @@ class SceneGraph:
     attributes: list[dict] = field(default_factory=list)  # {"object", "attribute", "lemma"}
     relations: list[dict] = field(default_factory=list)  # subject, relation, lemma, object
 
-    def lemma_tuples(self) -> tuple[set, set, set]:
-        """The graph as SPICE-style tuples of lemmas, for evaluation."""
-        name = [o["lemma"] for o in self.objects]
-        return (
-            set(name),
-            {(name[a["object"]], a["lemma"]) for a in self.attributes},
-            {(name[r["subject"]], r["lemma"], name[r["object"]]) for r in self.relations},
-        )
+    def lemma_tuples(self) -> Raw:
+        """The graph as SPICE-style tuples of lemmas (objects, attributes, relations)."""
+        return predicted_raw(self.to_json(), "lemma")
 
     def to_json(self) -> dict:
         return {"objects": self.objects, "attributes": self.attributes, "relations": self.relations}
@@ -55,13 +51,12 @@ class SceneGraph:
 class _Tok:
     """A token of the parse, editable by the repairs (a spaCy Doc is not)."""
 
-    __slots__ = ("i", "text", "lemma", "pos", "tag", "dep", "head", "children", "kids")
+    __slots__ = ("i", "text", "lemma", "pos", "tag", "dep", "head", "kids")
 
     def __init__(self, i, text, lemma, pos, tag, dep, head):
         self.i, self.text, self.lemma, self.pos, self.tag = i, text, lemma, pos, tag
         self.dep, self.head = dep, head
-        self.children: list[_Tok] = []  # filled once the repairs are done
-        self.kids: dict[str, list[_Tok]] = {}  # the children by dependency label
+        self.kids: dict[str, list[_Tok]] = {}  # children by dependency label, once repaired
 
     def __repr__(self) -> str:  # for debugging rules
         return f"{self.text}/{self.pos}/{self.dep}/{self.head}/{self.lemma}"
@@ -200,13 +195,13 @@ class _Builder(Gaps, Placing):
         head = self.toks[t.head]
         if head.i == t.i or head.pos not in NOUNS or t.i > head.i:
             return False
-        if t.dep in ("compound", "amod", "nmod") and t.pos in NOUNS:  # also "living room"
+        if t.dep in NAME_DEPS and t.pos in NOUNS:  # also "living room"
             return t.text not in COLOURS
         return self._lexical(t)
 
     def _lexical(self, t: _Tok) -> bool:
         """An adjective that is part of the name: "hot" in "hot dog"."""
-        if t.i + 1 >= len(self.toks) or t.dep not in ("amod", "compound", "nmod"):
+        if t.i + 1 >= len(self.toks) or t.dep not in NAME_DEPS:
             return False
         nxt = self.toks[t.i + 1]
         return (t.text, nxt.lemma) in LEXICAL_COMPOUNDS or (t.text, nxt.text) in LEXICAL_COMPOUNDS
@@ -230,8 +225,8 @@ class _Builder(Gaps, Placing):
         words, todo = [t.i], [t]
         while todo:
             x = todo.pop()
-            for c in x.children:
-                if c.i < x.i and c.dep in NAME_DEPS and self._is_name_modifier(c):
+            for c in self._children(x, *NAME_DEPS):
+                if c.i < x.i and self._is_name_modifier(c):
                     words.append(c.i)
                     todo.append(c)
         return sorted(words)
@@ -303,7 +298,7 @@ class _Builder(Gaps, Placing):
 
     def _attributes(self, noun: _Tok) -> None:
         for w in self.name_words[noun.i]:
-            for m in self.toks[w].children:
+            for m in self._children(self.toks[w], "amod", "nummod", "compound", "nmod"):
                 adjectival = m.dep in ("amod", "nummod") or (
                     m.dep in ("compound", "nmod")
                     and (m.pos in ("ADJ", "X", "NUM") or m.text in COLOURS)

@@ -76,8 +76,7 @@ def between(toks, i: int, j: int) -> list[str]:
 
 
 def distance(i: int, j: int) -> str:
-    d = max(-MAX_DISTANCE, min(MAX_DISTANCE, j - i))
-    return f"X:{d}"
+    return f"X:{max(-MAX_DISTANCE, min(MAX_DISTANCE, j - i))}"
 
 
 def relation_inputs(toks, chains, heads: list[int], index: dict, relations) -> list[tuple]:
@@ -258,18 +257,19 @@ class EdgeModel:
         for (s, o), c, p in zip(pairs, best.tolist(), sure.tolist(), strict=True):
             rule = [r for r in by_pair.get((s, o), ()) if r not in kept]
             if c > 1 and p >= (change if rule else add):
-                proposed.append((s, self.predicates[c], o))
+                lemma = self.predicates[c]
+                proposed.append({"subject": s, "relation": lemma, "lemma": lemma, "object": o})
             elif rule and (c != 0 or p < drop):  # the rules' decision stands
                 kept.extend(rule)
         # a rules' relation the model restates in the neutral reading stays as the rules
         # wrote it: "sit on" for "on", (branch, of, tree) for (tree, have, branch)
-        restated = {_canonical(*t) for t in proposed}
-        kept += [r for r in graph.relations if r not in kept and _canonical_of(r) in restated]
-        said = {_canonical_of(r) for r in kept}
-        for s, p, o in proposed:
-            if _canonical(s, p, o) not in said:
-                said.add(_canonical(s, p, o))
-                kept.append({"subject": s, "relation": p, "lemma": p, "object": o})
+        restated = {_canonical(r) for r in proposed}
+        kept += [r for r in graph.relations if r not in kept and _canonical(r) in restated]
+        said = {_canonical(r) for r in kept}
+        for r in proposed:
+            if _canonical(r) not in said:
+                said.add(_canonical(r))
+                kept.append(r)
         graph.relations = kept
 
     def _attributes(self, tensor, toks, chains, heads, index, name_words, graph) -> None:
@@ -306,12 +306,8 @@ def _neutral(lemma: str) -> str:
     return " ".join(neutral_predicate(lemma.split()))
 
 
-def _canonical(subject: int, lemma: str, obj: int) -> tuple[int, str, int]:
+def _canonical(relation: dict) -> tuple[int, str, int]:
     """A relation in the convention-neutral reading (:mod:`features.scenegraph.factual`):
     (X, of, Y) is (Y, have, X)."""
-    p = _neutral(lemma)
-    return (obj, "have", subject) if p == "of" else (subject, p, obj)
-
-
-def _canonical_of(relation: dict) -> tuple[int, str, int]:
-    return _canonical(relation["subject"], relation["lemma"], relation["object"])
+    s, p, o = relation["subject"], _neutral(relation["lemma"]), relation["object"]
+    return (o, "have", s) if p == "of" else (s, p, o)

@@ -18,11 +18,8 @@ rules and ours differ by design rather than by error (:func:`neutral_predicate`)
   * object heads split at hyphens too ("t-shirt" = "t - shirt": tokenisation), and a
     compound written open joined where the lemmatizer's noun index knows it closed ("cell
     phone" = "cellphone", "counter top" = "countertop": FACTUAL's annotators close them);
-  * numbers as digits ("two" = "2": FACTUAL writes digits);
-  * informal person nouns as FACTUAL's annotators write them ("guy" = "person", "guys" =
-    "people": :data:`INFORMAL`);
-  * two attribute words in the form FACTUAL's annotators write them ("wood" = "wooden",
-    "blond" = "blonde": :data:`SPELLINGS`);
+  * words as FACTUAL's annotators write them: numbers as digits ("two" = "2"), informal
+    person nouns (:data:`INFORMAL`: "guy" = "person") and :data:`SPELLINGS` ("wood" = "wooden");
   * a noun modifier of an object's name is also an attribute of its head ("brick building":
     FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
   * a collective or portion noun with "of" is an attribute of its members ("a group of
@@ -36,8 +33,8 @@ import csv
 import re
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from features.scenegraph.lexicon import COLLECTIVE_NOUNS
 from infra.config import UserError
@@ -90,8 +87,7 @@ class FactualFormatError(UserError):
     """A FACTUAL file that cannot be read."""
 
 
-@dataclass(frozen=True)
-class Raw:
+class Raw(NamedTuple):
     """A graph as strings: objects (full names), attributes (object, attribute), relations
     (subject, predicate, object), before any lemmatisation."""
 

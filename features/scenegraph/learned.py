@@ -70,8 +70,7 @@ def attach(
     the first level with counts deciding by majority; None where that level is a tie or no
     level has counts (the parse's choice stands)."""
     for level in backoff(noun, v, n1, p, n2):
-        nouns = sum(table.get(key, (0, 0))[0] for key in level)
-        verbs = sum(table.get(key, (0, 0))[1] for key in level)
+        nouns, verbs = map(sum, zip(*(table.get(key, (0, 0)) for key in level), strict=True))
         if nouns != verbs:
             return nouns > verbs
         if nouns:

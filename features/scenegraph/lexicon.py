@@ -163,7 +163,7 @@ def verb_lemma(text: str, lemma: str, verbs: Collection[str] | None) -> str:
 def attribute_lemma(t) -> str:
     """The lemma of an attribute word (a token): participles and numbers keep their form
     ("parked", "two"), adjectives their lemma."""
-    participle = t.pos == "VERB" or t.tag in ("VBN", "VBG", "VBD")
+    participle = t.pos == "VERB" or t.tag in PARTICIPLES
     return t.text if participle or t.pos == "NUM" else t.lemma
 
 

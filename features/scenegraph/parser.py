@@ -14,6 +14,7 @@ from features.scenegraph.learned import attach, relabel
 from features.scenegraph.lexicon import (
     ING_NOUNS,
     LEXICAL_COMPOUNDS,
+    NAME_DEPS,
     NOUNS,
     VERBS,
     participle_lemma,
@@ -91,9 +92,7 @@ class Parser:
         self._repair(toks)
         for t in toks:
             if t.head != t.i:
-                head = toks[t.head]
-                head.children.append(t)
-                head.kids.setdefault(t.dep, []).append(t)
+                toks[t.head].kids.setdefault(t.dep, []).append(t)
         builder = _Builder(toks, attach, record)
         return relabel(builder.build()), toks, builder
 
@@ -102,7 +101,6 @@ class Parser:
     def _repair(self, toks: list[_Tok]) -> None:
         self._caption_head(toks)
         repair_gapped_clause(toks)
-        lists = False
         for t in toks:
             head = toks[t.head]
             dep = t.dep
@@ -117,16 +115,13 @@ class Parser:
             elif dep == "pcomp" and t.text in ING_NOUNS and head.pos == "ADP":
                 # "window on building": a noun in -ing read as a gerund
                 t.pos, t.tag, t.dep, t.lemma = "NOUN", "NN", "pobj", t.text
-            elif dep in ("amod", "compound", "nmod") and t.pos in NOUNS:
+            elif dep in NAME_DEPS and t.pos in NOUNS:
                 # "the large red disk sitting above": a noun compound of a verb is its subject
                 if dep == "compound" and head.pos == "VERB" and t.i < head.i:
                     t.dep = "nsubj"
                 # "fire hydrant" parsed as fire <- hydrant: English compounds are right-headed
                 elif head.pos in NOUNS and head.i == t.i - 1:
-                    self._swap(toks, head, t)
-                lists = lists or dep == "nmod"
-            elif dep == "conj":
-                lists = True
+                    self._promote(toks, head, t, "compound")
             elif dep == "prep" and t.text in ("in", "with") and head.lemma == "cover":
                 # "a tree covered in snow" says what "covered by snow" says: (snow, cover, tree)
                 if head.tag == "VBN":
@@ -134,8 +129,6 @@ class Parser:
         for t in toks:
             if t.pos == "NOUN" and t.i and toks[t.i - 1].dep == "compound":
                 self._participle_as_noun(toks, t)
-        if not lists:
-            return
         for t in toks:
             # "a woman holds a baby and smiles": a noun conjoined with a verb is a verb
             if t.dep == "conj" and t.pos in NOUNS and toks[t.head].pos == "VERB":
@@ -189,22 +182,20 @@ class Parser:
             return
         lexical = root.i + 1 == noun.i and (root.text, noun.lemma) in LEXICAL_COMPOUNDS
         if root.tag in ("VBN", "VBD") or lexical:
-            for t in kids:
-                if t is not noun:
-                    t.head = noun.i
-            noun.dep, noun.head = "ROOT", noun.i
-            root.dep, root.head = "amod", noun.i
+            self._promote(toks, root, noun, "amod")
             if not lexical:
                 root.tag = "VBN"
 
     @staticmethod
-    def _swap(toks, head: _Tok, noun: _Tok) -> None:
-        """``noun`` takes ``head``'s place; ``head`` becomes its compound modifier."""
-        noun.dep, noun.head = head.dep, (head.head if head.head != head.i else noun.i)
+    def _promote(toks, old: _Tok, new: _Tok, dep: str, before: int | None = None) -> None:
+        """``new`` takes ``old``'s place in the tree and ``old`` becomes its ``dep``
+        dependent; ``old``'s other dependents (with ``before``, those before it) hang on
+        ``new``."""
+        new.dep, new.head = old.dep, (old.head if old.head != old.i else new.i)
         for t in toks:
-            if t.head == head.i and t is not noun:
-                t.head = noun.i
-        head.dep, head.head = "compound", noun.i
+            if t.head == old.i and t is not new and (before is None or t.i < before):
+                t.head = new.i
+        old.dep, old.head = dep, new.i
 
     def _participle_as_noun(self, toks, t: _Tok) -> None:
         """A participle tagged as a noun heading the real noun: in "a zebra grazing on the
@@ -224,11 +215,8 @@ class Parser:
             verb = None
         if verb is None:
             return
-        noun.dep, noun.head = t.dep, (t.head if t.head != t.i else noun.i)
-        for other in toks:
-            if other.head == t.i and other.i < noun.i:  # determiners, adjectives, numbers
-                other.head = noun.i
-        t.dep, t.head, t.pos, t.lemma = "acl", noun.i, "VERB", verb
+        self._promote(toks, t, noun, "acl", before=noun.i)  # determiners, adjectives, numbers
+        t.pos, t.lemma = "VERB", verb
 
     @staticmethod
     def _repair_lists(toks) -> None:

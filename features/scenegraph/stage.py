@@ -173,14 +173,14 @@ def summarise(rows: list[dict], vocab: dict) -> dict:
 def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
     """Micro precision/recall/F1 of object, attribute and relation tuples, and the
     fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
+    got = [p.lemma_tuples() for p in predicted]
     scores = {}
     for k, name in enumerate(("objects", "attributes", "relations")):
         counts = Counter()
-        for p, g in zip(predicted, gold, strict=True):
-            got, want = p.lemma_tuples()[k], g[k]
-            counts.update(tp=len(got & want), fp=len(got - want), fn=len(want - got))
+        for p, g in zip(got, gold, strict=True):
+            counts.update(tp=len(p[k] & g[k]), fp=len(p[k] - g[k]), fn=len(g[k] - p[k]))
         scores[name] = prf(counts)
-    exact = sum(p.lemma_tuples() == g for p, g in zip(predicted, gold, strict=True))
+    exact = sum(p == g for p, g in zip(got, gold, strict=True))
     scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
     return scores
 

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from features.scenegraph.builder import SceneGraph
 from features.scenegraph.edges import (
@@ -65,7 +66,7 @@ def records(nlp, captions: list[str]) -> list[tuple]:
     for doc in nlp.pipe(map(caption_text, captions), batch_size=256):
         graph, toks, builder = parser.rules(doc)
         for t in toks:  # the features read no children: lighter records
-            t.children, t.kids = [], {}
+            t.kids = {}
         out.append((doc.tensor.copy(), toks, builder.index, builder.name_words, graph.to_json()))
     return out
 
@@ -114,14 +115,12 @@ def arrays(items, recs, vocab, classes: dict) -> tuple:
     return dense.astype(np.float32), ids, bags, labels
 
 
-def fit(dense, ids, bags, labels, vocab_size: int, classes: int, epochs: int, size=(16, 128)):
+def fit(dense, ids, bags, labels, vocab_size: int, classes: int, epochs: int):
     """The scorer's weights (:class:`features.scenegraph.edges.Scorer`'s layout), trained
     with Adam on cross-entropy, deterministic (one thread, fixed seed and order)."""
-    import torch
-
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    net = Net(vocab_size, ids.shape[1], dense.shape[1], classes, *size)
+    net = Net(vocab_size, ids.shape[1], dense.shape[1], classes)
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
     tensors = [torch.from_numpy(x) for x in (dense, ids, bags, labels)]
     order = torch.Generator().manual_seed(0)
@@ -140,37 +139,29 @@ def fit(dense, ids, bags, labels, vocab_size: int, classes: int, epochs: int, si
     return net.export()
 
 
-class Net:
-    """The scorer in torch (built lazily: torch is needed for training only)."""
+class Net(torch.nn.Module):
+    """The scorer in torch."""
 
-    def __new__(cls, vocab_size: int, fields: int, width: int, classes: int, dim=16, hidden=128):
-        import torch
+    def __init__(self, vocab_size: int, fields: int, width: int, classes: int, dim=16, hidden=128):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab_size, dim, padding_idx=0)
+        self.w1 = torch.nn.Linear(width + (fields + 1) * dim, hidden)
+        self.w2 = torch.nn.Linear(hidden, classes)
 
-        class _Net(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.emb = torch.nn.Embedding(vocab_size, dim, padding_idx=0)
-                self.w1 = torch.nn.Linear(width + (fields + 1) * dim, hidden)
-                self.w2 = torch.nn.Linear(hidden, classes)
+    def forward(self, dense, ids, bag):  # (B, 3T), (B, F), (B, L)
+        n = ids.shape[0]
+        counts = (bag > 0).sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+        x = torch.cat([dense, self.emb(ids).reshape(n, -1), self.emb(bag).sum(1) / counts], 1)
+        return self.w2(torch.relu(self.w1(x)))  # (B, C)
 
-            def forward(self, dense, ids, bag):  # (B, 3T), (B, F), (B, L)
-                n = ids.shape[0]
-                counts = (bag > 0).sum(1, keepdim=True).clamp(min=1)  # (B, 1)
-                x = torch.cat(
-                    [dense, self.emb(ids).reshape(n, -1), self.emb(bag).sum(1) / counts], 1
-                )
-                return self.w2(torch.relu(self.w1(x)))  # (B, C)
-
-            def export(self) -> dict:
-                return {
-                    "emb": self.emb.weight.detach().numpy().copy(),
-                    "w1": self.w1.weight.detach().numpy().T.copy(),
-                    "b1": self.w1.bias.detach().numpy().copy(),
-                    "w2": self.w2.weight.detach().numpy().T.copy(),
-                    "b2": self.w2.bias.detach().numpy().copy(),
-                }
-
-        return _Net()
+    def export(self) -> dict:
+        return {
+            "emb": self.emb.weight.detach().numpy().copy(),
+            "w1": self.w1.weight.detach().numpy().T.copy(),
+            "b1": self.w1.bias.detach().numpy().copy(),
+            "w2": self.w2.weight.detach().numpy().T.copy(),
+            "b2": self.w2.bias.detach().numpy().copy(),
+        }
 
 
 def build_vocab(items, min_count: int) -> list[str]:
@@ -187,15 +178,14 @@ def evaluate(model: EdgeModel, recs, golds, lemma) -> dict:
     """Convention-neutral F1 per kind of the rules' graphs rewritten by ``model``."""
     predicted = []
     for tensor, toks, index, name_words, graph in recs:
-        g = SceneGraph([dict(o) for o in graph["objects"]], list(graph["attributes"]),
-                       list(graph["relations"]))  # fmt: skip
+        g = SceneGraph(**graph)  # apply rebinds the graph's lists: the record stays as it is
         model.apply(tensor, toks, index, name_words, g)
         predicted.append(predicted_raw(g.to_json()))
     return {k: v["f1"] for k, v in score(predicted, golds, lemma, neutral=True)[0].items()}
 
 
 def train(
-    recs, golds, lemma, epochs: int, floor: int, min_count: int, pipeline, size=(16, 128),
+    recs, golds, lemma, epochs: int, floor: int, min_count: int, pipeline,
     confidence=CONFIDENCE, margins=MARGINS,
 ) -> dict:  # fmt: skip
     """The weights file's arrays, trained on all captions but every ``HOLD_OUT``-th."""
@@ -217,8 +207,8 @@ def train(
     vocab = Vocabulary(build_vocab(rel + att, min_count))
     classes = {p: k for k, p in enumerate(predicates)}
     out = {"vocab": np.array(vocab.words), "predicates": np.array(predicates)}
-    r = fit(*arrays(rel, recs, vocab, classes), len(vocab.words), len(predicates), epochs, size)
-    a = fit(*arrays(att, recs, vocab, {0: 0, 1: 1}), len(vocab.words), 2, epochs, size)
+    r = fit(*arrays(rel, recs, vocab, classes), len(vocab.words), len(predicates), epochs)
+    a = fit(*arrays(att, recs, vocab, {0: 0, 1: 1}), len(vocab.words), 2, epochs)
     out.update({f"rel_{k}": v for k, v in r.items()})
     out.update({f"att_{k}": v for k, v in a.items()})
     out.update(

@@ -149,8 +149,7 @@ def main() -> None:
     gold_pairs = [tuples(gold, lemma)["pairs"] for _, gold in rows]
     attachment = attachment_counts(records, gold_pairs, lemma, args.min_attachment)
     points = sum(map(len, records))
-    body = "".join(f"    ({s!r}, {o!r}): {p!r},\n" for (s, o), p in sorted(table.items()))
-    body = body.replace("'", '"')
+    body = "".join(f"    {k!r}: {p!r},\n" for k, p in sorted(table.items())).replace("'", '"')
     counts = "".join(f"    {k!r}: {v!r},\n" for k, v in attachment.items()).replace("'", '"')
     words = textwrap.fill(" ".join(starts), 88)
     OUT.write_text(

@@ -182,7 +182,6 @@ def extract_text(
         manifest.digest,
         store_path,
         store_cfg,
-        kind="text",
         log=log,
         progress=progress,
     )
