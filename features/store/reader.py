@@ -239,6 +239,8 @@ class Store:
     # -- reading
 
     def _check_committed(self, shards: np.ndarray) -> None:
+        if self.committed[shards].all():  # the common case: no set built
+            return
         missing = sorted({int(k) for k in shards[~self.committed[shards]]})
         if missing:
             raise StoreError(
@@ -270,8 +272,9 @@ class Store:
         With ``copy=False`` dense fields of a local, uncompressed store may come back as
         read-only views of the memory-mapped shard files.
         """
-        per_shard = self.samples_per_shard
-        self._check_committed(np.arange(start // per_shard, -(-stop // per_shard)))
+        shards = range(start // self.samples_per_shard, -(-stop // self.samples_per_shard))
+        if not all(self.committed[k] for k in shards):  # (a few shards: no array built)
+            self._check_committed(np.asarray(shards))
         out: dict[str, Any] = {}
         for name in fields or self.fields:
             spec = self.fields[name]
