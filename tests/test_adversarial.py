@@ -34,7 +34,7 @@ VOCAB = {
 
 
 def fakes(cfg=None):
-    return adversarial_captions(ROWS, ["im", "im"], VOCAB, cfg or AdversarialConfig())
+    return list(adversarial_captions(ROWS, ["im", "im"], VOCAB, cfg or AdversarialConfig()))
 
 
 def test_every_fake_is_wrong_for_its_image_and_keeps_a_consistent_graph():
@@ -122,7 +122,7 @@ def test_graphs_of_real_captions_compounds_and_relation_phrases():
         "adjectives": {"green": 2},
         "relations": {"under": 2, "sit next to": 1},
     }
-    out = adversarial_captions(rows, ["a", "a"], vocab, AdversarialConfig(per_caption=10))
+    out = list(adversarial_captions(rows, ["a", "a"], vocab, AdversarialConfig(per_caption=10)))
     for key in ("a#0", "a#1"):
         assert {f["attack"] for f in out if f["source"] == key} == {
             "object",
@@ -154,3 +154,23 @@ def test_graph_rows_of_some_captions_are_read_in_file_order(tmp_path):
     wanted = {"im4#0": "im4", "im1#0": "im1", "nowhere#0": "nowhere"}  # any iterable of keys
     assert read_graph_rows(tmp_path / "graphs", keys=wanted) == [rows[1], rows[4]]
     assert read_graph_rows(tmp_path / "graphs", keys=[]) == []
+
+
+def test_fakes_written_in_blocks_read_back_as_made(tmp_path, monkeypatch):
+    """The stage writes its fakes a block at a time: the parquet holds every one, in order,
+    in one schema, however the blocks fall (here 4 fakes a block, a last one short)."""
+    import pyarrow.parquet as pq
+
+    from features.scenegraph import adversarial
+
+    made = fakes()
+    assert len(made) % 4  # a short last block
+    monkeypatch.setattr(adversarial, "BLOCK", 4)
+    keys, captions, counts = adversarial._write_captions(iter(made), tmp_path / "fakes.parquet")
+    table = pq.read_table(tmp_path / "fakes.parquet")
+    assert table.schema == adversarial.captions_schema()
+    assert table.to_pylist() == made
+    assert keys == [f["key"] for f in made] and captions == [f["caption"] for f in made]
+    assert counts == {
+        a: sum(f["attack"] == a for f in made) for a in ("object", "attribute", "relation")
+    }

@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from pydantic import Field
 from infra.config import Section, Seed
 
 ATTACKS = ("object", "attribute", "relation")
+BLOCK = 50_000  # fake captions made and written at a time (the demo's all fit in one)
 
 
 class AdversarialConfig(Section):
@@ -125,15 +127,14 @@ def _attack(attack: str, row: dict, concepts: dict, vocab: dict, rng) -> tuple[s
 
 def adversarial_captions(
     rows: Sequence[dict], image_keys: Sequence[str], vocab: dict, cfg: AdversarialConfig
-) -> list[dict]:
+) -> Iterator[dict]:
     """Fake captions for each scene-graph row (``rows[i]`` describes a caption of image
-    ``image_keys[i]``): up to ``per_caption`` distinct ones per attack, keyed
-    ``<caption key>~<attack>~<j>``."""
+    ``image_keys[i]``), made one row at a time: up to ``per_caption`` distinct ones per
+    attack, keyed ``<caption key>~<attack>~<j>``."""
     by_image: dict[str, list[dict]] = defaultdict(list)
     for row, image in zip(rows, image_keys, strict=True):
         by_image[image].append(row)
     vocab = {k: list(v) for k, v in vocab.items()}
-    out = []
     for row, image in zip(rows, image_keys, strict=True):
         concepts = _image_concepts(by_image[image])
         seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}:{row['key']}".encode()).digest()[:8])
@@ -147,17 +148,45 @@ def adversarial_captions(
                 if fake is None or fake[0] in made:
                     continue
                 made.add(fake[0])
-                out.append(
-                    {
-                        "key": f"{row['key']}~{attack}~{len(made) - 1}",
-                        "source": row["key"],
-                        "image": image,
-                        "attack": attack,
-                        "caption": fake[0],
-                        **fake[1],
-                    }
-                )
-    return out
+                yield {
+                    "key": f"{row['key']}~{attack}~{len(made) - 1}",
+                    "source": row["key"],
+                    "image": image,
+                    "attack": attack,
+                    "caption": fake[0],
+                    **fake[1],
+                }
+
+
+def captions_schema():
+    """The columns of the fake captions' parquet: key, source caption, image, attack,
+    caption, and its edited graph in ``graphs.parquet``'s types."""
+    import pyarrow as pa
+
+    from features.scenegraph.files import schema
+
+    names = ("key", "source", "image", "attack", "caption")
+    graph = [schema().field(name) for name in ("objects", "attributes", "relations")]
+    return pa.schema([(name, pa.string()) for name in names] + graph)
+
+
+def _write_captions(fakes: Iterator[dict], path: Path) -> tuple[list, list, Counter]:
+    """Write ``fakes`` to the parquet ``path`` (atomically) :data:`BLOCK` at a time; their
+    keys, their captions and the count per attack."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from infra.files import atomic_path
+
+    keys, captions, counts = [], [], Counter()
+    schema = captions_schema()
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as out:
+        while block := list(islice(fakes, BLOCK)):
+            out.write_table(pa.Table.from_pylist(block, schema=schema))
+            keys += [f["key"] for f in block]
+            captions += [f["caption"] for f in block]
+            counts.update(f["attack"] for f in block)
+    return keys, captions, counts
 
 
 def adversarial_stage(
@@ -176,16 +205,15 @@ def adversarial_stage(
     """Stage ``adversarial``: the fake captions of every caption of ``cfg.splits`` (a
     parquet), made from the scene graphs and negative vocabularies of the folder
     ``scene_graphs``, and their text features (a caption-level store encoded like the ``text``
-    stage's, with its train vocabularies). Returns the count per attack."""
-    import json
+    stage's, with its train vocabularies). Returns the count per attack.
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    The fakes are made and written :data:`BLOCK` at a time; only their keys and captions
+    stay in memory for the text store (COCO's val and test make up to 750,000)."""
+    import json
 
     from features.ingest.manifest import caption_key
     from features.scenegraph.files import read_graph_rows, read_negatives
     from features.text.stage import write_text_store
-    from infra.files import atomic_path
 
     table = manifest.table.select(["key", "split", "captions"]).to_pylist()
     image_of = {  # the captions of cfg.splits' images: the only graphs read
@@ -195,14 +223,13 @@ def adversarial_stage(
         for i in range(len(r["captions"]))
     }
     rows = read_graph_rows(scene_graphs, keys=image_of)
-    fakes = adversarial_captions(
-        rows, [image_of[g["key"]] for g in rows], read_negatives(scene_graphs), cfg
-    )
-    with atomic_path(captions_out) as tmp:
-        pq.write_table(pa.Table.from_pylist(fakes), tmp)
+    images = [image_of[g["key"]] for g in rows]
+    fakes = adversarial_captions(rows, images, read_negatives(scene_graphs), cfg)
+    keys, captions, counts = _write_captions(fakes, captions_out)
+    del table, image_of, rows, images, fakes  # only the keys and captions are encoded
     write_text_store(
-        [f["key"] for f in fakes],
-        [f["caption"] for f in fakes],
+        keys,
+        captions,
         json.loads(vocab.read_text()),
         encoder,
         text_cfg,
@@ -213,4 +240,4 @@ def adversarial_stage(
         kind="adversarial",
         progress=progress,
     )
-    return {a: sum(f["attack"] == a for f in fakes) for a in ATTACKS}
+    return {a: counts[a] for a in ATTACKS}
