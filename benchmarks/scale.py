@@ -14,7 +14,11 @@ after the stage gives that stage alone:
 - ``cpu_s``: user + system CPU seconds of DVC, the stage's command and their children;
 - ``peak_rss_mb``: the largest resident set of any one of those processes (``ru_maxrss``:
   the maximum over the processes, not the sum of ones running together, such as a data
-  loader's worker beside its trainer);
+  loader's worker beside its trainer). It counts the pages of memory-mapped store files
+  the process has read, which are page cache the kernel drops under pressure;
+- ``peak_anon_mb``, ``peak_file_mb``: the peaks of the anonymous memory (heap, tensors:
+  what the stage holds) and of the file-backed resident pages (mapped store files,
+  libraries), each summed over the processes running at once, sampled every 0.2 s;
 - ``out_bytes``, ``out_files``: the size and file count of the stage's outputs (``outs``,
   ``metrics`` and ``plots`` of ``dvc.yaml``) after it.
 
@@ -84,12 +88,43 @@ TARGETS = {
 # -- the wrapper: one measured child process -------------------------------------------
 
 
+def resident(pid: int) -> tuple[int, int]:
+    """Anonymous and file-backed resident bytes of process ``pid`` and its descendants
+    (``RssAnon``, ``RssFile`` of ``/proc/PID/status``); processes gone meanwhile count 0."""
+    import psutil
+
+    anon = file = 0
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for proc in procs:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        kib = {
+            k: int(v.split()[0])
+            for k, _, v in (line.partition(":") for line in status)
+            if k in ("RssAnon", "RssFile")
+        }
+        anon += kib.get("RssAnon", 0) << 10
+        file += kib.get("RssFile", 0) << 10
+    return anon, file
+
+
 def measure(argv: list[str], log: Path) -> None:
     """Run ``argv`` (output appended to ``log``) and print its figures as one JSON line:
     this process's children are that command and its descendants alone."""
+    peaks = [0, 0]
     with open(log, "a") as out:
         start = time.perf_counter()
-        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            peaks = [max(p, r) for p, r in zip(peaks, resident(proc.pid), strict=True)]
+            time.sleep(0.2)
+        rc = proc.returncode
         wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
@@ -99,6 +134,8 @@ def measure(argv: list[str], log: Path) -> None:
                 "wall_s": round(wall, 3),
                 "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
                 "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # Linux: KiB
+                "peak_anon_mb": round(peaks[0] / 2**20, 1),
+                "peak_file_mb": round(peaks[1] / 2**20, 1),
             }
         )
     )
@@ -237,7 +274,8 @@ def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None)
         stages[name] = figures
         print(
             f"  {name:28} {figures['wall_s']:8.1f} s {n_images / figures['wall_s']:9.1f} images/s"
-            f"  cpu {figures['cpu_s']:8.1f} s  peak {figures['peak_rss_mb']:7.0f} MB",
+            f"  cpu {figures['cpu_s']:8.1f} s  peak {figures['peak_rss_mb']:7.0f} MB"
+            f" (anon {figures['peak_anon_mb']:.0f}, mapped files {figures['peak_file_mb']:.0f})",
             flush=True,
         )
     dag_s = sum(s["wall_s"] for s in stages.values())
