@@ -241,29 +241,36 @@ class PairData:
         ``caption_image`` gives the image it was made from (it never matches it)."""
         import copy
 
+        import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         from features.store.reader import Store, join_by_key
 
-        table = pq.read_table(need_path(captions, "--adversarial-captions", "adversarial captions"))
-        position = {k: i for i, k in enumerate(self.image_keys)}
-        rows = [r for r in table.to_pylist() if r["image"] in position]
-        if not rows:
+        graph = ["objects", "attributes", "relations"] if self.graphs is not None else []
+        table = pq.read_table(  # this split's rows and the columns used, selected in Arrow
+            need_path(captions, "--adversarial-captions", "adversarial captions"),
+            columns=["key", "image", "attack", "caption", *graph],
+        )
+        table = table.filter(pc.is_in(table["image"], value_set=pa.array(self.image_keys)))
+        if not table.num_rows:
             raise DataError(
                 f"{captions}: no adversarial captions for split {self.split!r}; add it to "
                 "adversarial.splits in params.yaml"
             )
+        position = {k: i for i, k in enumerate(self.image_keys)}
         fake = copy.copy(self)
         fake.stores = dict(self.stores)
-        fake.caption_keys = [r["key"] for r in rows]
-        fake.captions = [r["caption"] for r in rows]
-        fake.attacks = np.array([r["attack"] for r in rows])
-        fake.caption_image = np.array([position[r["image"]] for r in rows], dtype=np.int64)
+        fake.caption_keys = table["key"].to_pylist()
+        fake.captions = table["caption"].to_pylist()
+        fake.attacks = np.array(table["attack"].to_pylist())
+        images = table["image"].to_pylist()
+        fake.caption_image = np.array([position[i] for i in images], dtype=np.int64)
         if self.inputs & TEXT_INPUTS:
             text = Store.open(need_path(store, "--adversarial", "the adversarial text store"))
             join_by_key({"text": self.stores["text"], "adversarial": text}, [])  # one manifest
             fake.stores["text"] = text
             fake.caption_rows = join_by_key({"text": text}, fake.caption_keys)["text"]
         if self.graphs is not None:
-            fake.graphs = rows
+            fake.graphs = table.select(["key", *graph]).to_pylist()
         return fake
