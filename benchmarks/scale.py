@@ -391,7 +391,7 @@ def linear_projections(runs: list[dict]) -> dict | None:
 
 def figure(run: dict, name: str, key: str) -> float:
     """A stage's ``key`` in a run; for the whole DAG ("dag"), its seconds, its stages' CPU
-    seconds or their largest peak RSS."""
+    seconds or their largest peak memory."""
     if name != "dag":
         return run["stages"][name][key]
     if key == "wall_s":
@@ -493,9 +493,9 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
 
 
 def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
-    """One row per stage (and the DAG) for the docs' table: seconds and peak RSS at each N,
-    the fitted exponents, and the linear projection's cost per 1,000 images and hours at
-    COCO's and a web set's size."""
+    """One row per stage (and the DAG) for the docs' table: seconds, peak RSS and (in runs
+    that record it) peak anonymous memory at each N, the fitted exponents, and the linear
+    projection's cost per 1,000 images and hours at COCO's and a web set's size."""
     table = {}
     for name in fits:
         row = {}
@@ -504,6 +504,8 @@ def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
                 row[f"s_{run['images']}"] = round(figure(run, name, "wall_s"), 1)
                 row[f"cpu_s_{run['images']}"] = round(figure(run, name, "cpu_s"), 1)
                 row[f"peak_mb_{run['images']}"] = round(figure(run, name, "peak_rss_mb"))
+                if "peak_anon_mb" in run["stages"][next(iter(run["stages"]))]:
+                    row[f"anon_mb_{run['images']}"] = round(figure(run, name, "peak_anon_mb"))
         row["time_exponent"] = fits[name]["time_exponent"]
         row["cpu_exponent"] = fits[name]["cpu_exponent"]
         if linear and name in linear:
