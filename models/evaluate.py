@@ -26,7 +26,7 @@ from pydantic import Field, PositiveInt, model_validator
 from infra.config import Section
 from infra.device import Device, autocast
 from infra.finite import NonFiniteError, finite_rows
-from models.metrics import KS, fold_metrics, retrieval_metrics, similarity_matrix
+from models.metrics import KS, fold_metrics, i2t_metrics, retrieval_metrics, similarity_matrix
 
 COCO_1K = 1000  # images per fold of the COCO 1K protocol (the 5K test split in 5 folds)
 
@@ -190,7 +190,8 @@ def classification_metrics(model, img, txt, data, w: float = 0.5) -> dict:
 def adversarial_metrics(
     model, img, txt, data, adversarial, batch_size, device, batches=None
 ) -> dict:
-    """Image-to-text retrieval with each attack's fake captions added as candidates."""
+    """Image-to-text retrieval with each attack's fake captions added as candidates,
+    ranked a block of images at a time (:func:`models.metrics.i2t_metrics`)."""
     fake = encode_texts(model, adversarial, batch_size, device, batches=batches)
     real = torch.from_numpy(data.caption_image).to(device)
     out = {}
@@ -198,9 +199,7 @@ def adversarial_metrics(
         cols = torch.from_numpy(np.flatnonzero(adversarial.attacks == attack)).to(device)
         candidates = torch.cat([txt, fake[cols]])
         c2i = torch.cat([real, torch.full((len(cols),), -1, dtype=torch.long, device=device)])
-        sims = similarity_matrix(model.similarity, img, candidates)
-        metrics = retrieval_metrics(sims, c2i)
-        out[attack] = {k: v for k, v in metrics.items() if k.startswith("i2t")}
+        out[attack] = i2t_metrics(model.similarity, img, candidates, c2i)
         out[attack]["fake_captions"] = len(cols)
     return out
 

@@ -45,12 +45,13 @@ def _summary(ranks: torch.Tensor, prefix: str) -> dict[str, float]:
 
 
 def retrieval_ranks(
-    sims: torch.Tensor, caption_to_image: torch.Tensor, chunk: int = 128
+    sims: torch.Tensor, caption_to_image: torch.Tensor, chunk: int = 128, first_image: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """0-based ranks of each image query (i2t) and each real caption query (t2i).
 
     One pass over blocks of ``chunk`` image rows, small enough to stay in cache while
-    both directions count the scores above their thresholds."""
+    both directions count the scores above their thresholds. ``first_image``: the number
+    of the first row in errors (``sims`` a block of a larger matrix's rows)."""
     sims = torch.as_tensor(sims)
     c2i = torch.as_tensor(caption_to_image, device=sims.device).long()
     n_img, n_cap = sims.shape
@@ -62,18 +63,18 @@ def retrieval_ranks(
     if int(c2i.max()) >= n_img:
         raise ValueError(f"caption_to_image refers to image {int(c2i.max())} of {n_img}")
     gt = sims[c2i[real], real]  # (n_real,) each caption's score with its own image
-    _refuse_non_finite(gt, lambda p: (int(c2i[real[p[0]]]), int(real[p[0]])))
+    _refuse_non_finite(gt, lambda p: (first_image + int(c2i[real[p[0]]]), int(real[p[0]])))
     best = torch.full((n_img,), -torch.inf, dtype=sims.dtype, device=sims.device)
     best = best.scatter_reduce(0, c2i[real], gt, reduce="amax")  # best ground truth per image
     if torch.isinf(best).any():
-        missing = int(torch.nonzero(torch.isinf(best))[0])
+        missing = first_image + int(torch.nonzero(torch.isinf(best))[0])
         raise ValueError(f"image {missing} has no caption: every image needs one to be a query")
     i2t = torch.empty(n_img, dtype=torch.long, device=sims.device)
     t2i = torch.zeros(real.numel(), dtype=torch.long, device=sims.device)
     all_real = real.numel() == n_cap  # then no column gather (no copy)
     for lo in range(0, n_img, chunk):
         block = sims[lo : lo + chunk]
-        _refuse_non_finite(block, lambda p, lo=lo: (lo + p[0], p[1]))
+        _refuse_non_finite(block, lambda p, lo=lo: (first_image + lo + p[0], p[1]))
         i2t[lo : lo + chunk] = torch.count_nonzero(block > best[lo : lo + chunk, None], dim=1)
         t2i += torch.count_nonzero((block if all_real else block[:, real]) > gt[None, :], dim=0)
     return i2t, t2i
@@ -85,6 +86,30 @@ def retrieval_metrics(sims, caption_to_image, chunk: int = 128) -> dict[str, flo
     out = {**_summary(i2t, "i2t"), **_summary(t2i, "t2i")}
     out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in KS)
     return out
+
+
+def i2t_metrics(
+    similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    caption_to_image,
+    max_elements: int = 2**24,
+) -> dict[str, float]:
+    """The image-to-text figures of :func:`retrieval_metrics` on ``similarity(img, txt)``,
+    made a block of image rows at a time (at most ``max_elements`` scores: 64 MiB), so
+    that the matrix never exists whole: COCO's 5K test images against its 25K captions
+    and one attack's 125K fake captions would be 3 GB. Within the limit, one block: the
+    scores of one call, as :func:`similarity_matrix` makes them."""
+    c2i = torch.as_tensor(caption_to_image, device=img.device).long()
+    rows = max(1, max_elements // txt.shape[0])
+    ranks = []
+    with torch.no_grad():
+        for lo in range(0, img.shape[0], rows):
+            block = similarity(img[lo : lo + rows], txt).float()
+            mine = (c2i >= lo) & (c2i < lo + block.shape[0])  # ground truth in the block
+            local = torch.where(mine, c2i - lo, torch.full_like(c2i, -1))
+            ranks.append(retrieval_ranks(block, local, first_image=lo)[0])
+    return _summary(torch.cat(ranks), "i2t")
 
 
 def fold_metrics(sims, caption_to_image, fold_size: int) -> dict[str, float]:

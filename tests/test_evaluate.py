@@ -2,6 +2,7 @@
 similarities and naive loops on random ones; non-finite embeddings and similarities are
 refused, naming the item."""
 
+import functools
 import linecache
 import math
 import warnings
@@ -581,10 +582,16 @@ def naive_i2t(sims, c2i):
     return out | {"i2t_medr": np.floor(np.median(ranks)) + 1, "i2t_meanr": ranks.mean() + 1}
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_adversarial_metrics_match_loops(seed):
+@pytest.mark.parametrize("seed, scores", [(0, 2**24), (1, 2**24), (2, 1), (3, 100)])
+def test_adversarial_metrics_match_loops(seed, scores, monkeypatch):
     """Each attack's fakes join the real captions as candidates of image-to-text
-    retrieval (and only that attack's); they are never a hit."""
+    retrieval (and only that attack's); they are never a hit. The same figures whether
+    the scores are made at once or a block of images at a time (here 1 and 2 images)."""
+    import models.evaluate
+    import models.metrics
+
+    blocks = functools.partial(models.metrics.i2t_metrics, max_elements=scores)
+    monkeypatch.setattr(models.evaluate, "i2t_metrics", blocks)
     rng = np.random.default_rng(seed)
     n_images, dim = 12, 5
     c2i = np.repeat(np.arange(n_images), 3)
