@@ -122,12 +122,12 @@ class PairData:
                 emb = np.asarray(class_embedder(names), dtype=np.float64)
                 emb /= np.linalg.norm(emb, axis=1, keepdims=True)
                 info["class_distances"] = np.round(1.0 - emb @ emb.T, 6).tolist()
-        self.graphs: list[dict] | None = None
+        self.graphs = None  # an Arrow table: the captions' graphs, in caption order
         if "scene_graph" in inputs:
-            from features.scenegraph.files import read_graphs, read_negatives
+            from features.scenegraph.files import read_graph_table, read_negatives
 
             folder = need_path(paths.scenegraphs, "--scenegraphs", "the scene graphs")
-            self.graphs = read_graphs(folder, self.caption_keys)
+            self.graphs = read_graph_table(folder, self.caption_keys)
             negatives = read_negatives(folder)
             info["negatives"] = {
                 component: [phrase_ids(p, self.word_index) for p in phrases]
@@ -211,7 +211,7 @@ class PairData:
                 rows, dim = self.caption_rows[index], self.info.tfidf_dim
                 out.update(text_arrays(self.inputs, self.stores["text"], rows, dim, alloc))
             if self.graphs is not None:
-                graphs = scene_graph_batch([self.graphs[c] for c in index], self.word_index)
+                graphs = scene_graph_batch(self.graphs.take(index).to_pylist(), self.word_index)
                 out.update({k: v.numpy() for k, v in graphs.items()})
             if "labels" in self.inputs:
                 out["text_labels"] = put(alloc, self.labels[self.caption_image[index]])
@@ -272,5 +272,5 @@ class PairData:
             fake.stores["text"] = text
             fake.caption_rows = join_by_key({"text": text}, fake.caption_keys)["text"]
         if self.graphs is not None:
-            fake.graphs = table.select(["key", *graph]).to_pylist()
+            fake.graphs = table.select(["key", *graph])
         return fake
