@@ -10,7 +10,7 @@ a few chunked passes over the matrix on its device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -101,14 +101,11 @@ def i2t_metrics(
     and one attack's 125K fake captions would be 3 GB. Within the limit, one block: the
     scores of one call, as :func:`similarity_matrix` makes them."""
     c2i = torch.as_tensor(caption_to_image, device=img.device).long()
-    rows = max(1, max_elements // txt.shape[0])
     ranks = []
-    with torch.no_grad():
-        for lo in range(0, img.shape[0], rows):
-            block = similarity(img[lo : lo + rows], txt).float()
-            mine = (c2i >= lo) & (c2i < lo + block.shape[0])  # ground truth in the block
-            local = torch.where(mine, c2i - lo, torch.full_like(c2i, -1))
-            ranks.append(retrieval_ranks(block, local, first_image=lo)[0])
+    for lo, block in similarity_blocks(similarity, img, txt, max_elements):
+        mine = (c2i >= lo) & (c2i < lo + block.shape[0])  # ground truth in the block
+        local = torch.where(mine, c2i - lo, torch.full_like(c2i, -1))
+        ranks.append(retrieval_ranks(block, local, first_image=lo)[0])
     return _summary(torch.cat(ranks), "i2t")
 
 
@@ -130,6 +127,21 @@ def fold_metrics(sims, caption_to_image, fold_size: int) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in folds])) for k in folds[0]}
 
 
+@torch.no_grad()
+def similarity_blocks(
+    similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    max_elements: int,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, similarity(img[rows], txt))`` in float32 for blocks of image rows of
+    at most ``max_elements`` scores: all rows in one call when they fit (also no rows or
+    no captions: one empty block)."""
+    rows = max(1, max_elements // max(1, txt.shape[0]))
+    for lo in range(0, max(1, img.shape[0]), rows):
+        yield lo, similarity(img[lo : lo + rows], txt).float()
+
+
 def similarity_matrix(
     similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     img: torch.Tensor,
@@ -139,12 +151,10 @@ def similarity_matrix(
     """``similarity(img, txt)``: (n_img, n_txt) float32. In one call when the result has
     at most ``max_elements`` entries (1 GiB; COCO 5K x 25K is 125M), else in row chunks
     of that size, copied into one matrix."""
-    n_img, n_txt = img.shape[0], txt.shape[0]
-    with torch.no_grad():
-        if n_img * n_txt <= max_elements:
-            return similarity(img, txt).float()
-        rows = max(1, max_elements // n_txt)
-        out = torch.empty(n_img, n_txt, dtype=torch.float32, device=img.device)
-        for lo in range(0, n_img, rows):
-            out[lo : lo + rows] = similarity(img[lo : lo + rows], txt).float()
+    blocks = similarity_blocks(similarity, img, txt, max_elements)
+    if img.shape[0] * txt.shape[0] <= max_elements:
+        return next(blocks)[1]
+    out = torch.empty(img.shape[0], txt.shape[0], dtype=torch.float32, device=img.device)
+    for lo, block in blocks:
+        out[lo : lo + block.shape[0]] = block
     return out
