@@ -252,20 +252,20 @@ class PairData:
             need_path(captions, "--adversarial-captions", "adversarial captions"),
             columns=["key", "image", "attack", "caption", *graph],
         )
-        table = table.filter(pc.is_in(table["image"], value_set=pa.array(self.image_keys)))
+        image = pc.index_in(table["image"], value_set=pa.array(self.image_keys))
+        ours = image.is_valid()  # made from an image of this split
+        table, image = table.filter(ours), image.filter(ours)
         if not table.num_rows:
             raise DataError(
                 f"{captions}: no adversarial captions for split {self.split!r}; add it to "
                 "adversarial.splits in params.yaml"
             )
-        position = {k: i for i, k in enumerate(self.image_keys)}
         fake = copy.copy(self)
         fake.stores = dict(self.stores)
         fake.caption_keys = table["key"].to_pylist()
         fake.captions = table["caption"].to_pylist()
         fake.attacks = np.array(table["attack"].to_pylist())
-        images = table["image"].to_pylist()
-        fake.caption_image = np.array([position[i] for i in images], dtype=np.int64)
+        fake.caption_image = image.to_numpy().astype(np.int64)
         if self.inputs & TEXT_INPUTS:
             text = Store.open(need_path(store, "--adversarial", "the adversarial text store"))
             join_by_key({"text": self.stores["text"], "adversarial": text}, [])  # one manifest
