@@ -504,7 +504,7 @@ def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
                 row[f"s_{run['images']}"] = round(figure(run, name, "wall_s"), 1)
                 row[f"cpu_s_{run['images']}"] = round(figure(run, name, "cpu_s"), 1)
                 row[f"peak_mb_{run['images']}"] = round(figure(run, name, "peak_rss_mb"))
-                if "peak_anon_mb" in run["stages"][next(iter(run["stages"]))]:
+                if "peak_anon_mb" in next(iter(run["stages"].values())):  # recorded since
                     row[f"anon_mb_{run['images']}"] = round(figure(run, name, "peak_anon_mb"))
         row["time_exponent"] = fits[name]["time_exponent"]
         row["cpu_exponent"] = fits[name]["cpu_exponent"]
