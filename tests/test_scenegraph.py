@@ -4,6 +4,7 @@ model's parses; the regression set of real-style captions against recorded score
 pipeline loader and the stage's core and writer."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +15,7 @@ from spacy.tokens import Doc
 from features.demo import DemoConfig, generate_image
 from features.ingest.manifest import Manifest
 from features.scenegraph.builder import SceneGraph
+from features.scenegraph.factual import prf
 from features.scenegraph.files import GRAPHS, NEGATIVES, write_scene_graphs
 from features.scenegraph.learned import caption_text
 from features.scenegraph.lexicon import normalise_case, verb_lemma
@@ -22,7 +24,6 @@ from features.scenegraph.stage import (
     ModelNotFound,
     ScenegraphConfig,
     extract_scene_graphs,
-    graph_scores,
     load_pipeline,
     negative_vocab,
     resolve_model,
@@ -686,6 +687,21 @@ def test_demo_grammar_graphs_are_recovered_from_gold_trees():
             assert graph.lemma_tuples() == expected, sentence["raw"]
             views.add(sentence["view"])
     assert views == {"all_objects", "attributes", "relation", "count"}
+
+
+def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
+    """Micro precision/recall/F1 of object, attribute and relation tuples, and the
+    fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
+    got = [p.lemma_tuples() for p in predicted]
+    scores = {}
+    for k, name in enumerate(("objects", "attributes", "relations")):
+        counts = Counter()
+        for p, g in zip(got, gold, strict=True):
+            counts.update(tp=len(p[k] & g[k]), fp=len(p[k] - g[k]), fn=len(g[k] - p[k]))
+        scores[name] = prf(counts)
+    exact = sum(p == g for p, g in zip(got, gold, strict=True))
+    scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
+    return scores
 
 
 def test_graph_scores_by_hand():

@@ -1,5 +1,5 @@
 """The rules that turn a (repaired) dependency parse into a scene graph: objects, attribute
--object pairs and relation triples, with the conventions of :mod:`features.scenegraph`."""
+-object pairs and relation triples, in the conventions of docs/explanation/language.md."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ class _Builder(Gaps, Placing):
         return (t.text, nxt.lemma) in LEXICAL_COMPOUNDS or (t.text, nxt.text) in LEXICAL_COMPOUNDS
 
     def _is_object(self, t: _Tok) -> bool:
-        """Whether the noun ``t`` heads an object (conventions: :mod:`features.scenegraph`)."""
+        """Whether the noun ``t`` heads an object (conventions: docs/explanation/language.md)."""
         dep = t.dep
         if dep in NAME_DEPS and t.head > t.i:
             if self._is_name_modifier(t) or t.text in COLOURS:

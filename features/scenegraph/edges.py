@@ -1,20 +1,12 @@
-"""A learned edge model run after the rules: which (subject, object) pairs of the rules'
-objects are related and by which predicate, and which modifier words are attributes of
-which object, in the conventions of FACTUAL's human-annotated graphs (Li et al. 2023;
-trained by :mod:`features.scenegraph.train_edges`).
-
-Not from a paper: a small feed-forward scorer (:class:`Scorer`) over what spaCy has already
-computed, so the stage needs no second encoder: the ``doc.tensor`` rows (``tok2vec``, 96
-wide in ``en_core_web_sm``) of the candidate's two tokens and of the second's head, and
-embeddings of discrete features (:func:`relation_inputs`, :func:`attribute_inputs`).
-Relations: a softmax over ``none``, ``other`` and the predicate vocabulary for every ordered
-pair of object heads, taken where it clears its gate (:attr:`EdgeModel.confidence`).
-Attributes: a logistic margin per (modifier, object head), to drop or add one
-(:attr:`EdgeModel.threshold`). The policy: :meth:`EdgeModel._relations`,
-:meth:`EdgeModel._attributes`.
-
-The weights (:data:`WEIGHTS`) are used only with the spaCy pipeline they were trained on
-(name, version and tensor width), else the rules' graph stands. Inference is numpy only.
+"""A learned edge model run after the rules (trained by :mod:`features.scenegraph.train_edges`
+on FACTUAL's graphs, Li et al. 2023): which pairs of the rules' objects are related and by
+which predicate, and which modifier words are attributes of which object. Not from a paper:
+a small feed-forward scorer (:class:`Scorer`) over spaCy's ``doc.tensor`` rows and
+embeddings of discrete features (:func:`relation_inputs`, :func:`attribute_inputs`), so the
+stage needs no second encoder; the policy: :meth:`EdgeModel._relations`,
+:meth:`EdgeModel._attributes`. The weights (:data:`WEIGHTS`) are used only with the spaCy
+pipeline they were trained on (name, version and tensor width), else the rules' graph
+stands. Inference is numpy only.
 """
 
 from __future__ import annotations

@@ -1,35 +1,20 @@
 """Scene graphs judged on FACTUAL (Li et al. 2023, "FACTUAL: A Benchmark for Faithful and
 Consistent Textual Scene Graph Parsing"): reading its CSV files (FACTUAL's own release:
 ``random_train.csv``, ``random_dev.csv``, ...) and matching parsed graphs against its gold
-graphs, in two modes.
+graphs (:func:`score`), in two modes.
 
-Strict: lemmas on both sides (nouns, adjectives and verbs by spaCy's rule lemmatizer, each
-side through the same function), objects by their head word (the last word of the name:
-"fire hydrant" and "hydrant" match), predicates word by word ("sitting on" -> "sit on"), and
-relation (subject, object) pairs beside full triples. "All tuples" is SPICE's union of
-objects, attributes and relations (Anderson et al. 2016, sec. 3).
-
-Convention-neutral: both sides further mapped to one convention where FACTUAL's annotation
-rules and ours differ by design rather than by error (:func:`neutral_predicate`):
-  * predicates: articles dropped ("on the side of" = "on side of"); a verb before a
-    preposition dropped ("sit on" = "on", "sit on top of" = "on top of"), a verb alone kept;
-    "with" = "have" (FACTUAL writes both for the same "X with Y"); (X, of, Y) = (Y, have, X)
-    (FACTUAL: "the tail of a dog" is (dog, have, tail));
-  * object heads split at hyphens too ("t-shirt" = "t - shirt": tokenisation), and a
-    compound written open joined where the lemmatizer's noun index knows it closed ("cell
-    phone" = "cellphone", "counter top" = "countertop": FACTUAL's annotators close them);
-  * words as FACTUAL's annotators write them: numbers as digits ("two" = "2"), informal
-    person nouns (:data:`INFORMAL`: "guy" = "person") and :data:`SPELLINGS` ("wood" = "wooden");
-  * a noun modifier of an object's name is also an attribute of its head ("brick building":
-    FACTUAL writes (building, is, brick) where we fold the noun into the name), on both sides;
-  * a collective or portion noun with "of" is an attribute of its members ("a group of
-    people": FACTUAL (people, is, group of) or (cake, is, piece); ours the object "group"
-    and (group, of, people)): the attribute "group", on both sides, and no object "group".
+Strict: lemmas on both sides through one function (:class:`Lemmas`), objects by their head
+word ("fire hydrant" and "hydrant" match), predicates word by word ("sitting on" -> "sit
+on"); "all" tuples are SPICE's union of objects, attributes and relations (Anderson et al.
+2016, sec. 3). Convention-neutral: both sides further mapped to one convention where
+FACTUAL's annotation rules and ours differ by design rather than by error (:func:`tuples`;
+the list: docs/explanation/language.md, "Judging the parser on FACTUAL").
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -50,12 +35,10 @@ NUMBERS = {
 
 ARTICLES = {"a", "an", "the"}
 
-# FACTUAL's annotators write a person for a guy: "guy" 171 times "person" in the 173 training
-# captions that say it, "guys" 38 of 38 "people", "dude" 6 of 6 "person"
+# person nouns as FACTUAL's annotators write them ("guy": "person" in 171 of 173 captions)
 INFORMAL = {"guy": "person", "guys": "people", "dude": "person", "dudes": "people"}
 
-# and an attribute "wooden" for a caption's "wood" (103 of the 103 training captions with "wood"
-# and either attribute), "blonde" for "blond" (23 of 23)
+# attributes as they write them ("wooden" for a caption's "wood" in 103 of 103 captions)
 SPELLINGS = {"wood": "wooden", "blond": "blonde"}
 
 # closed-class words that start the prepositional part of a predicate ("sit on top of")
@@ -174,28 +157,27 @@ class Lemmas:
             table = self.lemmatizer.lookups.get_table("lemma_index", {})
             self.index = {pos: frozenset(table.get(pos.lower(), ())) for pos in ("NOUN", "VERB")}
         self.nouns = self.index.get("NOUN", frozenset())  # empty without a lemmatizer
-        self.cache: dict[tuple[str, str], str] = {}
+        self._cached = functools.cache(self._lemma)
 
     def __call__(self, word: str, pos: str) -> str:
-        key = (word, pos)
-        found = self.cache.get(key)
-        if found is None:
-            found = word
-            if self.lemmatizer is not None and word.isalpha():
-                from spacy.tokens import Doc
+        return self._cached(word, pos)
 
-                doc = Doc(self.nlp.vocab, words=[word])
-                doc[0].pos_ = pos
-                candidates = self.lemmatizer.rule_lemmatize(doc[0]) or [word]
-                known = self.index.get(pos, ())
-                found = next((c for c in candidates if c in known), None)
-                found = found or (word if word in known else candidates[0])
-            self.cache[key] = found
-        return found
+    def _lemma(self, word: str, pos: str) -> str:
+        if self.lemmatizer is None or not word.isalpha():
+            return word
+        from spacy.tokens import Doc
+
+        doc = Doc(self.nlp.vocab, words=[word])
+        doc[0].pos_ = pos
+        candidates = self.lemmatizer.rule_lemmatize(doc[0]) or [word]
+        known = self.index.get(pos, ())
+        found = next((c for c in candidates if c in known), None)
+        return found or (word if word in known else candidates[0])
 
 
 def neutral_predicate(words: list[str]) -> list[str]:
-    """The predicate in the shared convention (module docstring)."""
+    """The predicate in the shared convention: articles dropped, a verb before a preposition
+    dropped ("sit on" = "on"), "with" alone is "have"."""
     words = [w for w in words if w not in ARTICLES] or words
     first = next((i for i, w in enumerate(words) if w in PREPOSITIONS), None)
     if first:

@@ -1,12 +1,8 @@
 """Choices learned from FACTUAL's training graphs (Li et al. 2023; 37k Visual Genome region
-captions, ``random_train.csv``) where a rule cannot see them, applied from the tables of the
-generated module :mod:`features.scenegraph.learned_predicates` (written, with the training
-file's SHA-256, by ``python -m features.scenegraph.train_learned``):
-
-* predicates (:func:`relabel`): "a man in a red shirt" is (man, wear, shirt), "a woman with
-  glasses" (woman, wear, glasses), while "a cat in a box" stays (cat, in, box);
-* prepositional attachment (:func:`attach`): whether a phrase goes to the verb or its noun;
-* an article before a caption whose first word is an object (:func:`caption_text`).
+captions) where a rule cannot see them: predicates (:func:`relabel`), prepositional
+attachment (:func:`attach`) and an article before a caption whose first word is an object
+(:func:`caption_text`). Their tables: the generated module
+:mod:`features.scenegraph.learned_predicates` (``python -m features.scenegraph.train_learned``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,7 @@ QUANTIFIERS = {
 }  # fmt: skip
 
 
-# words that shade the colour after them: "dark green" is one attribute (FACTUAL's
-# annotators write it as one some three times in four)
+# words that shade the colour after them: "dark green" is one attribute, as FACTUAL writes it
 SHADES = {"dark", "light", "bright", "pale", "deep", "navy", "lime", "neon", "royal"}
 
 
@@ -77,9 +76,8 @@ PLACING_VERBS = {
 SUBJECT_PREPOSITIONS = {"with", "without", "of", "for", "by", "like", "during"}  # never placing
 
 
-# predicates in the form the project writes: "besides" misspells "beside" in captions
-# (FACTUAL's training graphs: "beside" in 10 of 14); "dressed in" is "wear", as "in a shirt"
-# is (:mod:`features.scenegraph.learned`; FACTUAL: "wear" in 81 of 96). Synonyms stay apart
+# predicates in the form the project writes: "besides" misspells "beside"; "dressed in" is
+# "wear", as "in a shirt" is (:mod:`features.scenegraph.learned`). Synonyms stay apart
 # ("beneath" is not "under": the demo's captions and the project's gold sets keep the word).
 CANONICAL_WORDS = {"besides": "beside"}  # a word of a predicate's lemma -> its form
 CANONICAL_PREDICATES = {"dress in": "wear", "dress up in": "wear"}  # whole lemmas

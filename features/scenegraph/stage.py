@@ -1,5 +1,5 @@
 """Stage ``scenegraph``: the spaCy pipeline, loaded offline, and the scene graph of every
-caption of the manifest (conventions: :mod:`features.scenegraph`)."""
+caption of the manifest (conventions: docs/explanation/language.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Literal, NamedTuple
 
 from pydantic import Field
 
-from features.scenegraph.builder import SceneGraph
-from features.scenegraph.factual import prf
 from features.scenegraph.learned import caption_text
 from features.scenegraph.parser import Parser
 from infra.config import Section, UserError
@@ -34,7 +32,8 @@ class ScenegraphConfig(Section):
 
 
 # Components the rules read: tokens, tags (tagger; attribute_ruler maps them to POS, which
-# the rule lemmatizer needs), the dependency parse and lemmas. Everything else is excluded.
+# the rule lemmatizer needs), the dependency parse and lemmas. Any other is disabled (and
+# UNNEEDED_COMPONENTS are not loaded at all).
 NEEDED_COMPONENTS = (
     "transformer", "tok2vec", "tagger", "morphologizer", "parser", "attribute_ruler",
     "lemmatizer", "trainable_lemmatizer",
@@ -83,15 +82,12 @@ def load_pipeline(name_or_path: str) -> tuple[object, dict]:
 
     target = resolve_model(name_or_path)
     try:
-        nlp = spacy.load(target, exclude=list(UNNEEDED_COMPONENTS))
+        nlp = spacy.load(target, exclude=list(UNNEEDED_COMPONENTS), enable=list(NEEDED_COMPONENTS))
     except OSError as err:
         raise ModelNotFound(
             f"spaCy model {name_or_path!r} could not be loaded from {target} ({err}): "
             f"{INSTALL_HINT}"
         ) from None
-    for name in nlp.pipe_names:
-        if name not in NEEDED_COMPONENTS:
-            nlp.disable_pipe(name)  # a custom component the rules do not read
     if "parser" not in nlp.pipe_names:
         raise ModelNotFound(f"spaCy pipeline {target} has no dependency parser: {INSTALL_HINT}")
     provenance = {"name": name_or_path, "package": target, "version": nlp.meta.get("version")}
@@ -168,21 +164,6 @@ def summarise(rows: list[dict], vocab: dict) -> dict:
         "captions_without_relations": sum(not r["relations"] for r in rows),
         "negative_vocab": {k: len(v) for k, v in vocab.items()},
     }
-
-
-def graph_scores(predicted: list[SceneGraph], gold: list[tuple]) -> dict:
-    """Micro precision/recall/F1 of object, attribute and relation tuples, and the
-    fraction of captions whose whole graph is exact (SPICE-style tuple matching)."""
-    got = [p.lemma_tuples() for p in predicted]
-    scores = {}
-    for k, name in enumerate(("objects", "attributes", "relations")):
-        counts = Counter()
-        for p, g in zip(got, gold, strict=True):
-            counts.update(tp=len(p[k] & g[k]), fp=len(p[k] - g[k]), fn=len(g[k] - p[k]))
-        scores[name] = prf(counts)
-    exact = sum(p == g for p, g in zip(got, gold, strict=True))
-    scores["exact_graphs"] = round(exact / max(len(gold), 1), 4)
-    return scores
 
 
 def negative_vocab(rows: list[dict], splits: list[str]) -> dict[str, dict[str, int]]:

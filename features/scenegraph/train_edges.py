@@ -4,13 +4,8 @@ file :data:`features.scenegraph.edges.WEIGHTS`, records the training file's SHA-
 
     python -m features.scenegraph.train_edges [--train FILE.csv] [--epochs 4]
 
-Labels come from aligning each gold graph with the caption's tokens: a gold object is the
-rules' object whose head word has the same lemma (captions where two objects' heads share
-a lemma, or a gold relation names an object the rules miss, are left out: a "none" label
-would not be sure), a gold relation labels the ordered pair of its two objects' heads,
-every other pair of heads is ``none``; a gold attribute labels the (modifier word, object
-head) candidate whose word has its lemma. The operating point (:data:`CONFIDENCE`,
-:data:`MARGINS`) is never tuned on a FACTUAL dev set.
+Labels: :func:`examples`. The operating point (:data:`CONFIDENCE`, :data:`MARGINS`) is
+never tuned on a FACTUAL dev set.
 """
 
 from __future__ import annotations
@@ -73,7 +68,12 @@ def records(nlp, captions: list[str]) -> list[tuple]:
 
 def examples(record, gold, lemma) -> tuple[list, list] | None:
     """The labelled relation and attribute candidates of one caption: lists of (token
-    pair, feature strings, bag of words, label); None where the alignment is not sure."""
+    pair, feature strings, bag of words, label), from aligning the gold graph with the
+    tokens. A gold object is the rules' object whose head word has the same lemma; a gold
+    relation labels the ordered pair of its objects' heads, every other pair is ``none``; a
+    gold attribute labels the (modifier word, object head) candidate whose word has its
+    lemma. None where the alignment is not sure: two heads share a lemma, or a gold
+    relation names an object the rules miss."""
     tensor, toks, index, name_words, graph = record
     heads = sorted(index)
     key = {i: lemma(toks[i].text, "NOUN") for i in heads}

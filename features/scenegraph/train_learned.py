@@ -132,14 +132,13 @@ def main() -> None:
     rows = read_factual(args.train)
     digest = hashlib.sha256(args.train.read_bytes()).hexdigest()
     nlp, provenance = load_pipeline(args.model)
-    captions = [c for c, _ in rows]
     # mined with the tables off: what the rules alone say
     PREDICATES.clear()
     ATTACHMENT.clear()
     rules = Parser.for_pipeline(nlp, "off")
     lemma = Lemmas(nlp)
     starts = noun_starts(rows, lemma, args.min_start)
-    texts = (caption_text(c, frozenset(starts)) for c in captions)
+    texts = (caption_text(c, frozenset(starts)) for c, _ in rows)
     graphs, records = [], []
     for doc in nlp.pipe(texts, batch_size=256):
         records.append([])

