@@ -166,7 +166,7 @@ def _read_pickle(file: Path, spec: str, param: str, allow_pickle: bool) -> dict:
 
 
 def checkpoint_format(obj: dict) -> str:
-    """``vse-detector``, ``detection``, ``classification`` or ``unknown``."""
+    """``vse-detector``, ``detection``, ``butd``, ``classification`` or ``unknown``."""
     if obj.get("format") == "vse-detector":
         return "vse-detector"
     keys = list(obj)
@@ -256,7 +256,7 @@ def load_trunk(model: nn.Module, state: dict, c4: bool, param: str, what: str, s
     """A ResNet trunk's weights (:func:`trunk_state`) into a detector's ``backbone.body``;
     for C4 its ``layer4`` goes to the res5 box head."""
     if c4:
-        head = {k[len("layer4.") :]: v for k, v in state.items() if k.startswith("layer4.")}
+        head = {k.removeprefix("layer4."): v for k, v in state.items() if k.startswith("layer4.")}
         load_exact(model.roi_heads.box_head.layer4, head, param, what, source)
         state = {k: v for k, v in state.items() if not k.startswith("layer4.")}
     load_exact(model.backbone.body, state, param, what, source)
@@ -271,13 +271,11 @@ def trunk_state(obj: dict, param: str) -> dict:
     if fmt == "classification":
         return {k: v for k, v in state.items() if not k.startswith("fc.")}
     if fmt in ("detection", "vse-detector"):
-        out = {}
-        for k, v in state.items():
-            if k.startswith("backbone.body."):
-                out[k[len("backbone.body.") :]] = v
-            elif k.startswith("roi_heads.box_head.layer4."):
-                out[k[len("roi_heads.box_head.") :]] = v
-        return out
+        return {
+            k.removeprefix("backbone.body.").removeprefix("roi_heads.box_head."): v
+            for k, v in state.items()
+            if k.startswith(("backbone.body.", "roi_heads.box_head.layer4."))
+        }
     raise WeightsError(
         f"{param}: {describe(obj)} (e.g. keys {', '.join(list(obj)[:3])}); expected a "
         "torchvision ResNet classification or detection state dict, or a vse-detector "

@@ -25,16 +25,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from features.decode import BadImage, load_image
 from features.detector.weights import weights_digest
 from features.images.config import ExtractConfig
-from features.images.extractor import EXTRACTOR_VERSION
+from features.images.extractor import EXTRACTOR_VERSION, ImageExtractor
 from features.images.report import FEW_REGIONS, NO_REGIONS
 from features.ingest.manifest import Manifest
 from features.store.remote import RemoteStoreWriter
@@ -43,19 +41,6 @@ from features.store.writer import ShardWriter, StoreWriter
 from infra.device import resolve_device
 from infra.files import is_url
 from infra.finite import NON_FINITE, nonfinite_fields
-
-
-class Extractor(Protocol):
-    kind: str
-    name: str
-    device: torch.device
-
-    def fields(self) -> dict[str, FieldSpec]: ...
-    def prepare(self, image, row: dict) -> dict[str, Any]: ...
-    def forward(self, items: list[dict]) -> Any: ...
-    def finish(self, items: list[dict], raw: Any) -> list[dict[str, np.ndarray]]: ...
-    def empty(self) -> dict[str, np.ndarray]: ...
-    def provenance_params(self) -> dict: ...
 
 
 class ImageItems(Dataset):
@@ -83,7 +68,7 @@ class ImageItems(Dataset):
         return item
 
 
-def build_image_extractor(kind: str, cfg: ExtractConfig) -> Extractor:
+def build_image_extractor(kind: str, cfg: ExtractConfig) -> ImageExtractor:
     """The extractor of image stage ``kind`` ("regions" or "grid") from its params."""
     from features.images.grid import GridExtractor, build_trunk
     from features.images.regions import RegionExtractor, build_detector
@@ -124,7 +109,7 @@ class Timing:
 
 
 def image_store_writer(
-    extractor: Extractor,
+    extractor: ImageExtractor,
     manifest: Manifest,
     store_path: Path | str,
     cfg: ExtractConfig,
@@ -154,7 +139,7 @@ def image_store_writer(
 
 
 def extract_images(
-    extractor: Extractor,
+    extractor: ImageExtractor,
     manifest: Manifest,
     images_root: Path,
     store_path: Path | str,

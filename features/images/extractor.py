@@ -23,7 +23,8 @@ EXTRACTOR_VERSION = "2"  # 2: exact BUTD selection (classes of unsurvived propos
 class ImageExtractor:
     """What the grid and regions extractors share: the model on ``device``, a batch run as
     ``finish(forward(items))``, the record of an unreadable image and the fingerprint's
-    params. Subclasses give ``fields``, ``prepare``, ``forward`` and ``finish``."""
+    params. Subclasses give ``kind``, ``name``, ``fields``, ``prepare``, ``forward`` and
+    ``finish``, which :func:`features.images.extract.extract_images` calls."""
 
     def __init__(self, model: torch.nn.Module, cfg: ExtractConfig, device: torch.device):
         self.model = model.to(device)

@@ -175,36 +175,51 @@ class RegionExtractor(ImageExtractor):
             logits = None if self.given else heads.box_predictor.cls_score(pooled)
         probs = None if logits is None else F.softmax(logits.float(), dim=-1)
         return HostCopy(
-            self.device, rois=[r.float() for r in rois], pooled=pooled.float(), probs=probs
+            self.device, rois=[r.float() for r in rois], feats=pooled.float(), probs=probs
         )
 
     @torch.no_grad()
     def finish(self, items: list[dict], raw: HostCopy) -> list[dict[str, np.ndarray]]:
-        """On the host, beside the next batch's forward: each image's selected regions,
-        packed as its store record."""
-        out = raw.wait()
-        pooled, scores = out["pooled"], out["probs"]
+        """On the host, beside the next batch's forward: each image's selected regions
+        (:meth:`select`), packed as its store record (ids -1 past ``n_regions``)."""
         outputs = []
-        start = 0
-        for it, boxes in zip(items, out["rois"], strict=True):
-            n = len(boxes)
-            feats = pooled[start : start + n]
-            probs = None if scores is None else scores[start : start + n]
-            start += n
-            boxes = boxes / it["scale"]  # back to original-image pixels
-            if self.given:
-                keep = torch.arange(n)
-                classes = torch.full((n,), -1, dtype=torch.long)
-                confidence = torch.ones(n)
-            else:
-                keep, classes, confidence = butd_select(boxes, probs, self.cfg)
-            record = self.empty()
-            k = len(keep)
-            record["features"][:k] = feats[keep].numpy()
-            record["boxes"][:k] = boxes[keep].numpy()
-            record["classes"][:k] = classes.numpy()
-            record["scores"][:k] = confidence.numpy()
-            record["n_regions"] = np.int32(k)
-            record["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
-            outputs.append(record)
+        for it, r in zip(items, self.select(items, raw), strict=True):
+            out = self.empty()
+            n = len(r["boxes"])
+            for name, value in r.items():
+                if name.endswith("_id"):
+                    out[name][:] = -1
+                out[name][:n] = value.numpy()
+            out["n_regions"] = np.int32(n)
+            out["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
+            outputs.append(out)
         return outputs
+
+    def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """The kept regions of each prepared image: its record's fields (``features``
+        (R, D) and ``boxes`` (R, 4) in original-image pixels, float32; ids, scores)."""
+        return self.select(items, self.forward(items))
+
+    @torch.no_grad()
+    def select(self, items: list[dict], raw: HostCopy) -> list[dict[str, torch.Tensor]]:
+        """:meth:`regions` from the outputs of :meth:`forward`, on the host."""
+        out = raw.wait()
+        outputs, start = [], 0
+        for it, boxes in zip(items, out["rois"], strict=True):
+            part = slice(start, start + len(boxes))
+            start += len(boxes)
+            outputs.append(self.kept(boxes / it["scale"], part, out))  # original-image pixels
+        return outputs
+
+    def kept(self, boxes: torch.Tensor, part: slice, out: dict) -> dict[str, torch.Tensor]:
+        """One image's kept regions from its ``boxes`` and its ``part`` of the batch's
+        outputs: all of them, without a class, for given boxes; else :func:`butd_select`'s."""
+        n = len(boxes)
+        if self.given:
+            keep = torch.arange(n)
+            classes = torch.full((n,), -1, dtype=torch.long)
+            confidence = torch.ones(n)
+        else:
+            keep, classes, confidence = butd_select(boxes, out["probs"][part], self.cfg)
+        feats = out["feats"][part][keep]
+        return {"features": feats, "boxes": boxes[keep], "classes": classes, "scores": confidence}

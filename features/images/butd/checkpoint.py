@@ -46,21 +46,22 @@ MILVLG_NAMES = {  # MILVLG attribute head -> py-bottom-up-attention's names
     "attr_linear2.": "attr_score.",
 }
 IGNORED = ("proposal_generator.anchor_generator.", "pixel_mean", "pixel_std")
+PARAM = "regions.weights"  # the param that names these checkpoints
 
 
-def layout_of(state: dict, source: str, param: str = "regions.weights") -> str:
+def layout_of(state: dict, source: str) -> str:
     """``detectron2`` or ``milvlg`` from the keys and the objectness width; a checkpoint
     that fits neither is a one-line error naming the keys it lacks."""
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         raise WeightsError(
-            f"{param}: {source} is not a bottom-up-attention checkpoint in either layout "
+            f"{PARAM}: {source} is not a bottom-up-attention checkpoint in either layout "
             f"(py-bottom-up-attention .pkl or MILVLG .pth): missing {', '.join(missing)}"
         )
     channels = state[RPN + "objectness_logits.weight"].shape[0]
     if channels not in (12, 24):
         raise WeightsError(
-            f"{param}: {source}: {RPN}objectness_logits.weight has {channels} channels; "
+            f"{PARAM}: {source}: {RPN}objectness_logits.weight has {channels} channels; "
             "a BUTD RPN has 12 anchors (12: py-bottom-up-attention, 24: MILVLG)"
         )
     return "detectron2" if channels == 12 else "milvlg"
@@ -95,13 +96,11 @@ def model_state(state: dict, layout: str) -> dict[str, torch.Tensor]:
     for key, value in state.items():
         if key.startswith(IGNORED) or key.endswith("num_batches_tracked"):
             continue
-        if key.startswith("proposal_generator."):
-            key = key[len("proposal_generator.") :]
-        if layout == "milvlg" and key.startswith(PREDICTOR):
-            rest = key[len(PREDICTOR) :]
+        key = key.removeprefix("proposal_generator.")
+        if layout == "milvlg":
             for old, new in MILVLG_NAMES.items():
-                if rest.startswith(old):
-                    key = PREDICTOR + new + rest[len(old) :]
+                if key.startswith(PREDICTOR + old):
+                    key = PREDICTOR + new + key.removeprefix(PREDICTOR + old)
         out[key] = value.float() if value.is_floating_point() else value
     for key in [k for k in out if k.endswith(".norm.weight")]:
         base = key[: -len("weight")]
@@ -110,15 +109,13 @@ def model_state(state: dict, layout: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def butd_from_state(
-    state: dict, source: str, proposals: int = 300, param: str = "regions.weights"
-) -> ButdModel:
+def butd_from_state(state: dict, source: str, proposals: int = 300) -> ButdModel:
     """A :class:`ButdModel` holding ``state`` (either layout), in eval mode with its frozen
     norms folded into the convolutions; every key must fit, or one line says what
     differs."""
-    layout = layout_of(state, source, param)
+    layout = layout_of(state, source)
     state = model_state(state, layout)
     model = ButdModel(spec_of(state, layout), proposals=proposals)
     what = f"the bottom-up-attention model ({layout} layout)"
-    load_exact(model, state, param, what, source)
+    load_exact(model, state, PARAM, what, source)
     return model.fold_norms().eval()

@@ -59,28 +59,6 @@ class ButdRegionExtractor(RegionExtractor):
         item = {"image": image_tensor, "scale": torch.tensor([sx, sy, sx, sy])}
         return self._given_boxes(item, image, row)
 
-    def finish(self, items: list[dict], raw: HostCopy) -> list[dict[str, np.ndarray]]:
-        """Each image's selected regions as its store record (-1 ids past ``n_regions``)."""
-        outputs = []
-        for it, r in zip(items, self.select(items, raw), strict=True):
-            out = self.empty()
-            n = len(r["boxes"])
-            for name, value in r.items():
-                if name.endswith("_id"):
-                    out[name][:] = -1
-                out[name][:n] = value.numpy()
-            out["n_regions"] = np.int32(n)
-            out["image_hw"] = np.asarray(it["hw"], dtype=np.int32)
-            outputs.append(out)
-        return outputs
-
-    def regions(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
-        """The kept regions of each prepared image, in float32: ``features`` (R, D),
-        ``boxes`` (R, 4) in original-image pixels, ``objects_id``/``objects_conf`` (R,)
-        object id and confidence, ``attrs_id``/``attrs_conf`` (R,) where the model has an
-        attribute head; the records of :meth:`__call__` are these, packed."""
-        return self.select(items, self.forward(items))
-
     @torch.no_grad()
     def forward(self, items: list[dict]) -> HostCopy:
         """The model over a batch, on the device: RoIs per image (resized pixels), their
@@ -98,32 +76,27 @@ class ButdRegionExtractor(RegionExtractor):
             attrs=attrs,
         )
 
-    @torch.no_grad()
-    def select(self, items: list[dict], raw: HostCopy) -> list[dict[str, torch.Tensor]]:
-        """:meth:`regions` from the outputs of :meth:`forward`, on the host."""
-        out = raw.wait()
-        feats, probs, attrs = out["feats"], out["probs"], out["attrs"]
-        outputs, start = [], 0
-        for it, boxes in zip(items, out["rois"], strict=True):
-            part = slice(start, start + len(boxes))
-            start += len(boxes)
-            boxes = boxes / it["scale"]  # original-image pixels
-            if self.given:
-                keep = torch.arange(len(boxes))
-                confidence, classes = probs[part, 1:].max(dim=1)
-            else:
-                keep, classes, confidence = butd_select(boxes, probs[part], self.cfg)
-                classes = classes - 1  # background was column 0
-            r = {
-                "features": feats[part][keep],
-                "boxes": boxes[keep],
-                "objects_id": classes,
-                "objects_conf": confidence,
-            }
-            if attrs is not None:
-                r["attrs_conf"], r["attrs_id"] = attrs[part][keep].max(dim=1)
-            outputs.append(r)
-        return outputs
+    def kept(self, boxes: torch.Tensor, part: slice, out: dict) -> dict[str, torch.Tensor]:
+        """One image's kept regions: ``features`` (R, D), ``boxes`` (R, 4),
+        ``objects_id``/``objects_conf`` (R,) object id and confidence and, where the model
+        has an attribute head, ``attrs_id``/``attrs_conf`` (R,); for given boxes, each one
+        with its most likely object."""
+        probs, attrs = out["probs"][part], out["attrs"]
+        if self.given:
+            keep = torch.arange(len(boxes))
+            confidence, classes = probs[:, 1:].max(dim=1)
+        else:
+            keep, classes, confidence = butd_select(boxes, probs, self.cfg)
+            classes = classes - 1  # background was column 0
+        r = {
+            "features": out["feats"][part][keep],
+            "boxes": boxes[keep],
+            "objects_id": classes,
+            "objects_conf": confidence,
+        }
+        if attrs is not None:
+            r["attrs_conf"], r["attrs_id"] = attrs[part][keep].max(dim=1)
+        return r
 
     def provenance_params(self) -> dict:
         """The params, plus the vocabularies the ids index (Visual Genome's 1600 objects

@@ -220,10 +220,10 @@ class ButdModel(nn.Module):
     detectron2 layout (as py-bottom-up-attention's demo), not renormalised for MILVLG's
     (as its ``extract_features.py`` and Caffe's ``generate_tsv.py``)."""
 
-    def __init__(self, spec: ButdSpec, proposals: int = 300, pre_nms: int = 6000):
+    def __init__(self, spec: ButdSpec, proposals: int = 300):
         super().__init__()
         self.spec = spec
-        self.post_nms, self.pre_nms, self.rpn_nms = proposals, pre_nms, 0.7
+        self.post_nms = proposals
         self.backbone = Backbone(spec)
         per_anchor = 1 if spec.layout == "detectron2" else 2
         self.rpn_head = RpnHead(16 * spec.width, spec.rpn_hidden, 12, per_anchor)
@@ -241,7 +241,7 @@ class ButdModel(nn.Module):
     def proposals(self, res4: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """RPN proposals of one image (Ren et al. 2015, Sec. 3.1.2 test time) from its
         (1, 16w, h, w) res4 map and its (height, width): score every anchor, keep the top
-        ``pre_nms``, decode, clip to the image, drop empty boxes, NMS at 0.7, keep
+        6000, decode, clip to the image, drop empty boxes, NMS at 0.7, keep
         ``post_nms``. Returns (P, 4) boxes."""
         logits, deltas = self.rpn_head(res4)  # (1, A or 2A, h, w), (1, 4A, h, w)
         _, _, h, w = res4.shape
@@ -252,7 +252,7 @@ class ButdModel(nn.Module):
             pairs = logits[0].view(12, 2, h, w).permute(2, 3, 0, 1).reshape(-1, 2)
             scores = pairs.softmax(dim=-1)[:, 1]
         deltas = deltas[0].view(12, 4, h, w).permute(2, 3, 0, 1).reshape(-1, 4)
-        top, idx = scores.float().topk(min(self.pre_nms, len(scores)))
+        top, idx = scores.float().topk(min(6000, len(scores)))
         # Ren et al. 2015, Eq. 2 inverted; log-scales clamped at log(1000 / 16) as detectron2
         boxes = BoxCoder((1.0, 1.0, 1.0, 1.0)).decode_single(deltas[idx].float(), anchors[idx])
         finite = torch.isfinite(boxes).all(dim=1) & torch.isfinite(top)

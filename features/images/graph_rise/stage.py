@@ -235,8 +235,7 @@ def train_graph_rise(
     }
     device = resolve_device(cfg.device)
     if device.type == "cpu":
-        # a head this small gains nothing from intra-op threads; on shared cores they cost
-        # up to 9x (measured on the demo: 10.7 s against 1.2 s for 5 epochs, load ~10)
+        # a head this small gains nothing from intra-op threads, which slow it on shared cores
         torch.set_num_threads(1)
     fit_targets = targets[fit]  # (Nfit, L)
     if cfg.label_weighting == "idf":
