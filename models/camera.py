@@ -17,26 +17,9 @@ so that eq. 22 holds per pair and ``lambda = 0.01`` does not shrink with the bat
 Padded regions and tokens are masked as attention keys, zeroed before the convolutions,
 and excluded from the region softmax (eq. 13), the diversity term and the text mean.
 
-Paper vs official code (``LgQu/CAMERA``; AGSA read in the fork ``LuminosityX/CAMERA``).
-Where they differ this file follows the paper:
-
-- Q/K/V projections without bias (eq. 3; official ``GatedQueryAttLayer`` has biases).
-- AGSA output ``Concat(h_1..h_H) + X`` (eq. 7) and the residual ``V * P~`` (eq. 11), no
-  BatchNorm (official: ``rgn_emb + dropout(BatchNorm(attention))``, residual before the
-  position gate).
-- Only the N views (eq. 14) and the sentence (eq. 18) are L2-normalised (official: each
-  region too, after eq. 8 and eq. 11).
-- Region FC: PyTorch's default init (official: Xavier-uniform; the paper is silent).
-- Box code (eq. 9): ``w_i / h_i`` in pixels, as paper and official (see ``box_code``).
-- Text MLP (eq. 17) without the official BatchNorm.
-- Padding masked and captions not cut (official: no masks, 36 regions, 32 WordPieces, the
-  text mean over padding too).
-- As the official code: gate maps shared by the heads (official ``fc_g``); a ReLU after
-  each dilated convolution (eq. 12 writes none); no dropout; frozen BERT; the views' max
-  as the score; both loss terms summed.
-- Training (paper 4.2): Adam, lr 1e-4, x0.1 every 10 epochs over 30 (Flickr30K) or 20
-  over 40 (COCO), batch 128, clip 2; official selection on R@1 + R@5 every 500 steps.
-  Ours: the shared ``train`` section, rsum once per epoch.
+Where the paper and the official code (``LgQu/CAMERA``) differ this file follows the paper,
+except, as the official code, for gate maps shared by the heads, a ReLU after each dilated
+convolution and the views' max as the score; every difference: ``docs/explanation/models.md``.
 """
 
 from __future__ import annotations

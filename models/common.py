@@ -1,7 +1,6 @@
-"""The few helpers every model file shares: normalisation, masking, pooling and the
-hardest-negative hinge of VSE++. Repeating a few lines in a model file is preferred to
-growing this module into a base class.
-"""
+"""The few helpers every model file shares: the loop settings, normalisation, masking,
+pooling, float32 scores and VSE++'s hardest-negative hinge. A few lines repeated in a model
+file are preferred to growing this module into a base class."""
 
 from __future__ import annotations
 
@@ -85,9 +84,8 @@ def full_precision(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def float32_scores(device_type: str):
     """Autocast off: similarities that enter a hinge or a softmax are computed in float32
-    from the (possibly bf16) embeddings. Under bf16 autocast a score keeps 8 bits of
-    mantissa, so margins of 0.2 between scores near 1 are resolved to ~0.004: at batch 128
-    that changes about 1 in 12 hardest negatives and the gradient by ~4%."""
+    from the (possibly bf16) embeddings, whose 8 bits of mantissa would resolve margins of
+    0.2 between scores near 1 only to ~0.004."""
     return torch.autocast(device_type, enabled=False)
 
 

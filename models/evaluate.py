@@ -6,9 +6,8 @@
 - Robustness to adversarial captions (UniVSE 4.2): per attack (object, attribute,
   relation) the fakes join the real captions as image-to-text candidates, never as truth.
 - Models with ``classify(embedding, side)`` (HUSE) also get classification accuracy
-  (image, text, fused) and class-level R@K in four directions. HUSE sec. 4.5 fuses the two
-  softmaxes as ``w p_img + (1 - w) p_txt`` without giving ``w``: ours is chosen on val
-  (:func:`fusion_weight`), the equal-weight figure reported beside it.
+  (image, text, fused with the weight of :func:`fusion_weight` and with equal weights) and
+  class-level R@K in four directions.
 
 A NaN or infinite embedding or score is an error naming the image or caption.
 """
@@ -26,6 +25,7 @@ from pydantic import Field, PositiveInt, model_validator
 from infra.config import Section
 from infra.device import Device, autocast
 from infra.finite import NonFiniteError, finite_rows
+from models.data.info import DataError
 from models.metrics import KS, fold_metrics, i2t_metrics, retrieval_metrics, similarity_matrix
 
 COCO_1K = 1000  # images per fold of the COCO 1K protocol (the 5K test split in 5 folds)
@@ -149,8 +149,6 @@ def fusion_weight(model, img, txt, data) -> float:
 def val_fusion_weight(model, data, embeddings, cfg, device) -> float:
     """:func:`fusion_weight` on the val split (the paper gives none), to apply to ``data``
     (embedded as ``embeddings``); equal weights, warned, when the manifest has no val split."""
-    from models.data.info import DataError
-
     if data.split == "val":
         return fusion_weight(model, *embeddings, data)
     try:

@@ -97,9 +97,8 @@ def i2t_metrics(
 ) -> dict[str, float]:
     """The image-to-text figures of :func:`retrieval_metrics` on ``similarity(img, txt)``,
     made a block of image rows at a time (at most ``max_elements`` scores: 64 MiB), so
-    that the matrix never exists whole: COCO's 5K test images against its 25K captions
-    and one attack's 125K fake captions would be 3 GB. Within the limit, one block: the
-    scores of one call, as :func:`similarity_matrix` makes them."""
+    that the matrix (3 GB for COCO 5K with an attack's fakes) never exists whole. Within
+    the limit, one block: the scores of one call, as :func:`similarity_matrix` makes them."""
     c2i = torch.as_tensor(caption_to_image, device=img.device).long()
     ranks = []
     for lo, block in similarity_blocks(similarity, img, txt, max_elements):

@@ -18,11 +18,9 @@ Eq. 8, 10 and 13 lost their symbols in the text; they are read as ``1/K sum_k`` 
 eq. 14, L_Max <= L_Up <= L_Up-Rough, holds), the hardest negatives of eq. 10-12 by s* as in
 eq. 9, the indicators constants.
 
-Following the paper rather than the official code (``AAA-Zheng/MV-VSE`` on GPO's
-``woodfrog/vse_infty``): K = 3 GPO views (official: K = 2 linear views, max pooling); eq. 15
-as written, with the indicators of eq. 11-12 (official: a rough Up term); hardest negatives
-from the first step; no data augmentation; BatchNorm over valid regions only; frozen BERT
-features. The comparison file by file: ``docs/explanation/mvvse-official-code.md``.
+Where the paper and the official code (``AAA-Zheng/MV-VSE`` on GPO's ``woodfrog/vse_infty``)
+differ this file follows the paper, e.g. K = 3 GPO views and eq. 15 with the indicators of
+eq. 11-12; the comparison part by part: ``docs/explanation/mvvse-official-code.md``.
 """
 
 from __future__ import annotations

@@ -24,12 +24,14 @@ from torch import nn
 
 from infra.config import Section, UserError, one_line
 from infra.device import autocast, resolve_device
-from infra.files import save_torch
+from infra.files import save_torch, write_json
 from infra.resume import read_checkpoint
 from infra.schedule import lr_factor
 from infra.trainer import Trainer
 from models.common import TrainConfig
+from models.data.batches import Batches, Stream
 from models.data.info import DataInfo
+from models.registry import MODELS, model_class, model_inputs
 
 CHECKPOINT_VERSION = 1
 CHECK_EVERY = 50  # steps between reads of the device's non-finite-loss flag
@@ -39,17 +41,14 @@ class TrainingError(UserError):
     """Training cannot go on; the message says why and what was kept."""
 
 
-def build_model(name: str, cfg: Section, info: DataInfo | dict) -> nn.Module:
+def build_model(name: str, cfg: Section, info: DataInfo) -> nn.Module:
     """Registered model ``name`` from its validated config (``models.<name>``) and the
     sizes of its inputs."""
-    from models.registry import MODELS, model_class
-
     if name not in MODELS:
         raise TrainingError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     cls = model_class(name)
     if not isinstance(cfg, cls.Config):
         raise TypeError(f"{name} is built from a {cls.Config.__name__}, got {type(cfg).__name__}")
-    info = info if isinstance(info, DataInfo) else DataInfo(**info)
     return cls(cfg, info)
 
 
@@ -61,8 +60,6 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise TrainingError(f"{path}: no checkpoint; run `vse train` (dvc repro train@MODEL)")
-    from models.registry import MODELS, model_class
-
     hint = "give best.pt or last.pt as `vse train` writes them (dvc repro train@MODEL)"
     ckpt = read_checkpoint(path, TrainingError, hint, ("model", "config", "info", "state_dict"))
     name = ckpt["model"]
@@ -161,7 +158,6 @@ def train(
     files, plots). ``prepare_model`` may change a fresh model before training (e.g. load
     GloVe vectors); it is not called when resuming.
     """
-    from models.data.batches import Batches
     from models.evaluate import evaluate_split
 
     out_dir = Path(out_dir)
@@ -219,12 +215,9 @@ def train(
         if ckpt is not None:
             best["rsum"] = ckpt["best_rsum"]
             # a stream (shards) goes on mid-epoch only on as many ranks as wrote it
-            wrote = len((trainer.within or {}).get("positions") or [None])
-            if (
-                trainer.within is not None
-                and hasattr(train_data, "epoch_stream")
-                and wrote != world
-            ):
+            within = trainer.within
+            wrote = world if within is None else len(within.get("positions") or [None])
+            if wrote != world and hasattr(train_data, "epoch_stream"):
                 raise TrainingError(
                     f"{last_path}: written mid-epoch by {wrote} ranks streaming shards; resume "
                     f"on {wrote} ranks, or let the epoch finish (train.shards: streams are "
@@ -294,16 +287,11 @@ def _epoch(
 ) -> tuple[dict, float, int]:
     """One epoch of optimizer steps (from a step checkpoint's ``within``: from its next
     batch); returns the history row (mean loss parts, lr), the seconds it took and the
-    pairs seen (all ranks). No step waits for the device: the loss parts are summed
-    there, and the non-finite flag is read every ``CHECK_EVERY`` steps (a non-finite
-    step is reported by its own epoch and step; the steps after it only touch
-    weights that are never saved). Between steps, the trainer decides when ``last.pt``
+    pairs seen (all ranks). The steps after a non-finite one, until its flag is read, only
+    touch weights that are never saved; between steps the trainer decides when ``last.pt``
     is written (all ranks agree)."""
-    from models.data.batches import Stream
-
     name, device, world, rank = trainer.name, trainer.device, trainer.world, trainer.rank
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
-    last_path = trainer.last_path
     tasks = epoch_tasks(batches.source, cfg, epoch, rank, world)
     steps = _steps(tasks)
     t0, seen, done, first = time.perf_counter(), 0, 0, 0
@@ -334,13 +322,12 @@ def _epoch(
             optimizer.step()
             scheduler.step()
             for key, value in parts.items():  # summed on the device, in float64
-                total = sums.get(key)
                 value = value.detach().double()
-                sums[key] = value if total is None else total + value
+                sums[key] = sums[key] + value if key in sums else value
             seen += _batch_size(batch) * world
             done = step + 1
             if done % CHECK_EVERY == 0 or done == steps:
-                _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+                _stop_if_nonfinite(trainer, first_bad, bad_loss, epoch)
             if rank == 0 and done % max(1, steps // 4) == 0:
                 rate = seen / (time.perf_counter() - t0)
                 trainer.log(
@@ -358,7 +345,7 @@ def _epoch(
                     "position": batches.position,
                 },
                 lambda bad=first_bad, value=bad_loss: _stop_if_nonfinite(
-                    name, bad, value, epoch, world, last_path
+                    trainer, bad, value, epoch
                 ),
             )
     finally:
@@ -368,7 +355,7 @@ def _epoch(
             f"{name}: epoch {epoch} gave {done} batches, {steps} were planned; rebuild the "
             "shards (vse shards build) or train from the stores (train.shards: null)"
         )
-    _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path)
+    _stop_if_nonfinite(trainer, first_bad, bad_loss, epoch)
     row = {"epoch": epoch, **{k: float(v) / steps for k, v in sums.items()}}
     row["lr"] = optimizer.param_groups[0]["lr"]
     return row, time.perf_counter() - t0, seen
@@ -381,29 +368,27 @@ def _batch_size(batch: dict) -> int:
     return 0
 
 
-def _stop_if_nonfinite(name, first_bad, bad_loss, epoch, world, last_path) -> None:
+def _stop_if_nonfinite(trainer: Trainer, first_bad, bad_loss, epoch: int) -> None:
     """Read the device's flag (all ranks agree under DDP); raise if a loss was not finite."""
     flag = (first_bad >= 0).to(torch.int64).reshape(1)
-    if world > 1:
+    if trainer.world > 1:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if not flag.item():
         return
-    kept = f"{last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
+    kept = f"{trainer.last_path} (epoch {epoch - 1})" if epoch > 0 else "none yet"
     where = (
         f"loss is {bad_loss.item()} at epoch {epoch} step {first_bad.item()}"
         if first_bad.item() >= 0
         else f"loss is not finite on another rank at epoch {epoch}"
     )
     raise TrainingError(
-        f"{name}: {where}; stopped. Kept the last good checkpoint: {kept}. Lower train.lr "
+        f"{trainer.name}: {where}; stopped. Kept the last good checkpoint: {kept}. Lower train.lr "
         "or raise train.warmup_steps, then rerun with --resume"
     )
 
 
 def write_history(history: list[dict], metrics: Path | None, plot: Path | None) -> None:
     """The DVC metrics file (last epoch, best epoch) and the per-epoch plot table."""
-    from infra.files import write_json
-
     if not history:
         return
     if metrics is not None:
@@ -431,7 +416,6 @@ def train_stage(
     checkpoints in ``out_dir``, the metrics and per-epoch plot files after each epoch."""
     from models.data.pairs import PairData
     from models.data.shards import ShardData
-    from models.registry import model_inputs
 
     def embed(names: list[str]) -> np.ndarray:  # class names for HUSE's graph, on the CPU
         from features.text.sbert_stats import sbert_encoder

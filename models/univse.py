@@ -24,11 +24,10 @@ Meaning Representations (Wu, Jiang, Mao, Ma, Wang; CVPR 2019).
 Multi-word phrases: an object or attribute phrase's embeddings are the means over its
 words; a multi-word predicate enters psi one phi(word) per step.
 
-No official code was found (``salanueva/UniVSE`` is a third-party reimplementation that by
-its README does not train as intended), and the supplement was not seen. Choices the paper
-leaves open: margin 0.2 (VSE++'s) and d_modif 300; average pooling for v over the fixed
-ResNet's precomputed grid; the relevance map M of eq. 2 not detached; Phi = sum; training
-with the shared ``train`` section (paper: Adam, lr 1e-3).
+No official code was found, and the supplement was not seen. Choices the paper leaves open:
+margin 0.2 (VSE++'s) and d_modif 300; average pooling for v over the fixed ResNet's
+precomputed grid; the relevance map M of eq. 2 not detached; Phi = sum; training with the
+shared ``train`` section (paper: Adam, lr 1e-3).
 """
 
 from __future__ import annotations
@@ -305,8 +304,7 @@ class UniVSE(nn.Module):
         subj = self.encode_object(subject).reshape(-1, 1, self.cfg.embed_size)  # (N, 1, d)
         objt = self.encode_object(obj).reshape(-1, 1, self.cfg.embed_size)  # (N, 1, d)
         pred_ids = predicate.reshape(-1, wp)  # (N, Wp)
-        words = torch.cat([self.basic(pred_ids), self.modif(pred_ids)], -1)
-        pred = self.phi(words)  # (N, Wp, d)
+        pred = self.phi(torch.cat([self.basic(pred_ids), self.modif(pred_ids)], -1))  # (N, Wp, d)
         k = (pred_ids != 0).sum(1)  # (N,) predicate words (left-aligned)
         body = torch.cat([subj, pred, torch.zeros_like(subj)], 1)  # (N, Wp + 2, d)
         steps = torch.arange(wp + 2, device=pred_ids.device)

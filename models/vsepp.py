@@ -7,18 +7,9 @@
 - Score: s(i, c) = f(i) . g(c) (eq. 3), in float32 under autocast.
 - Loss: the hinge triplet loss, SH (eq. 5) or MH (eq. 6, default), margin 0.2.
 
-Paper vs official code (``fartashf/vsepp``; the paper text here is an excerpt, so training
-settings are the official code's):
-
-- The loss is summed over the batch (official ``ContrastiveLoss``; eq. 4 writes a mean),
-  so that ``train.grad_clip = 2.0`` acts on a loss of the official scale.
-- W_g is folded into the GRU's output size, as in official ``EncoderText``.
-- phi(i) is projected as stored (or standardised), as eq. 1; the official code
-  L2-normalises it first.
-- Init (the paper is silent): Xavier-uniform W_f, zero bias, word embeddings U(-0.1, 0.1).
-- Official ``train.py`` trains SH unless ``--max_violation``; ours defaults to MH.
-- Training: Adam (AdamW, weight_decay 0), lr 2e-4, x0.1 after 15 epochs, 30 epochs, batch
-  128, gradient norm clipped at 2, best val rsum kept: our ``train`` defaults.
+As the official code (``fartashf/vsepp``), the loss is summed over the batch (eq. 4 writes a
+mean) and W_g is folded into the GRU's output size; as the paper, phi(i) is projected as
+stored. Every difference: ``docs/explanation/models.md``.
 """
 
 from __future__ import annotations

@@ -27,9 +27,6 @@ Text side::
     relation_subjects, relation_objects           (B, N) object indices
     text_labels                (B,)               class id of the caption's image
 
-``DataInfo`` carries the dimensions a model is built with; it is plain data so that a
-checkpoint can rebuild the model without the stores.
-
 A source (:class:`PairData`: the stores, memory-mapped; :class:`ShardData`: WebDataset
 shards built from them) *builds* a raw batch in the stored dtypes, one vectorised gather
 per field, into memory the caller provides; :func:`finish` makes it what the models read

@@ -162,8 +162,7 @@ def finish(batch: dict, stats: dict, alloc=None) -> dict:
 def floored_std(std: np.ndarray, ratio: float = 0.1) -> np.ndarray:
     """Per-dimension ``std`` floored at ``ratio`` of the root-mean-square one: a dimension
     that barely varies on train (a ReLU unit that never fires there) must not dominate
-    when it fires on a test image (a floor of 1e-3 made one such image the nearest of
-    every caption)."""
+    when it fires on a test image."""
     return np.maximum(std, ratio * np.sqrt(np.mean(np.square(std))) + 1e-12)
 
 

@@ -5,7 +5,8 @@ arrays in their stored dtypes (``kind``: "pair", captions with their images; "im
 "text"), every array from ``alloc(shape, dtype)``; a streaming source (shards) also has
 ``source.stream(spec, worker, n_workers, alloc, start)``, a generator of ``(raw batch,
 position after it)``. :class:`Batches` builds ahead of the consumer and hands out batches
-as the models read them (:func:`models.data.finish`: float32, standardised, on the device):
+as the models read them (:func:`models.data.arrays.finish`: float32, standardised, on the
+device):
 
 - ``num_workers = 0``, ``prefetch = 0``: built in the loop, when asked for (debugging);
 - ``num_workers = 0``, ``prefetch = P``: built by a thread, up to P ahead (numpy gathers
@@ -13,12 +14,11 @@ as the models read them (:func:`models.data.finish`: float32, standardised, on t
 - ``num_workers = W``: built by W worker processes, up to P ahead each, batch ``i`` by
   worker ``i % W``, handed out in order.
 
-Every batch is built into a reused :class:`Arena` (shared memory for workers; torch's
-DataLoader, which allocates each batch afresh, timed 2-3x slower in
-benchmarks/train_input.py). A CPU batch is a view of its arena, valid until the next batch
-is asked for, and is finished by the builder. On CUDA the producer copies each batch into
-pinned memory and frees the arena; the consumer copies it without blocking and finishes
-it on the device, one batch ahead on a side stream (:mod:`models.data.staging`).
+Every batch is built into a reused :class:`Arena` (shared memory for workers). A CPU batch
+is a view of its arena, valid until the next batch is asked for, and is finished by the
+builder. On CUDA the producer copies each batch into pinned memory and frees the arena; the
+consumer copies it without blocking and finishes it on the device, one batch ahead on a
+side stream (:mod:`models.data.staging`).
 
 Order: the tasks' order (a map-style epoch), or, for a stream, round-robin over the
 workers; the same on every run with the same worker count. Nothing here draws from
@@ -34,6 +34,7 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -189,10 +190,8 @@ class Batches:
 
     def _stop_workers(self) -> None:
         for _, conn in self._workers:
-            try:
+            with suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
         for process, conn in self._workers:
             process.join(timeout=5)
             if process.is_alive():
@@ -202,10 +201,8 @@ class Batches:
         self._workers, self._buffers = [], {}
 
     def __del__(self):
-        try:
+        with suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     def _start_workers(self) -> None:
         import torch.multiprocessing as mp

@@ -43,7 +43,6 @@ class PairData:
         split: str,
         inputs: frozenset[str],
         *,
-        text: FeaturePaths | None = None,
         class_embedder: Callable[[list[str]], np.ndarray] | None = None,
     ):
         from features.ingest.manifest import read_manifest
@@ -90,10 +89,9 @@ class PairData:
         image_stores = {k: s for k, s in self.stores.items() if k != "text"}
         self.image_rows = join_by_key(image_stores, self.image_keys) if image_stores else {}
         if "text" in self.stores:
-            join_by_key({"text": self.stores["text"], **image_stores}, [])  # same manifest
-            self.caption_rows = join_by_key({"text": self.stores["text"]}, self.caption_keys)[
-                "text"
-            ]
+            text = {"text": self.stores["text"]}
+            join_by_key({**text, **image_stores}, [])  # same manifest
+            self.caption_rows = join_by_key(text, self.caption_keys)["text"]
 
         info: dict = {}
         for use, key, role, name in (
@@ -227,8 +225,7 @@ class PairData:
 
     def batch(self, kind: str, index: np.ndarray) -> dict[str, torch.Tensor]:
         """The :meth:`build` of ``kind`` at ``index`` as the models read it (standardised if
-        asked): ``image_batch(images)``, ``text_batch(captions)``, ``pair_batch(captions)``
-        (caption ``captions[b]`` with its image in row ``b``: positives on the diagonal)."""
+        asked); also ``image_batch(images)``, ``text_batch(captions)``, ``pair_batch(captions)``."""
         return finish(as_tensors(self.build(kind, index)), self.stats)
 
     image_batch = partialmethod(batch, "image")

@@ -59,7 +59,7 @@ class ShardData:
         self.buffer = max(cfg.shuffle_buffer, cfg.batch_size)
         self.workers = max(1, cfg.num_workers)
 
-    # the sizes, vocabulary and statistics are the stores'
+    # the sizes and statistics are the stores'
     @property
     def info(self) -> DataInfo:
         return self.data.info
@@ -67,14 +67,6 @@ class ShardData:
     @property
     def stats(self) -> dict:
         return self.data.stats
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.data.inputs
-
-    @property
-    def word_index(self) -> dict[str, int]:
-        return self.data.word_index
 
     def feature_stats(self, max_images: int = 5000) -> dict:
         return self.data.feature_stats(max_images)
@@ -221,16 +213,16 @@ class ShardData:
         inverse = inverse.reshape(-1)
         captions = caption_base[inverse] + chosen[:, 2]  # rows among the groups' captions
         rows = image_base[inverse] + flat_image[captions]  # rows among the groups' images
-        out = image_arrays(self.inputs, images, {role: rows for role in images}, alloc)
+        out = image_arrays(self.data.inputs, images, {role: rows for role in images}, alloc)
         if text is not None:
-            out.update(text_arrays(self.inputs, text, captions, self.info.tfidf_dim, alloc))
+            out.update(text_arrays(self.data.inputs, text, captions, self.info.tfidf_dim, alloc))
         index = np.concatenate([g.meta["index"] for g in groups])[rows]
-        if "labels" in self.inputs:
+        if "labels" in self.data.inputs:
             labels = np.concatenate([np.asarray(g.meta["labels"], np.int64) for g in groups])
             out["labels"] = out["text_labels"] = put(alloc, labels[rows])
-        if "scene_graph" in self.inputs:
+        if "scene_graph" in self.data.inputs:
             graphs = [graph for g in groups for graph in g.meta["scene_graphs"]]
-            batch = scene_graph_batch([graphs[c] for c in captions], self.word_index)
+            batch = scene_graph_batch([graphs[c] for c in captions], self.data.word_index)
             out.update({k: v.numpy() for k, v in batch.items()})
         out["caption_image"] = put(alloc, index)
         keys = _KeysAt(self.data.image_keys, index)  # a caption is named by its image

@@ -1,5 +1,5 @@
 """What the models retrieve, as data for the retrieval gallery (drawn by
-:mod:`models.gallery_page` in ``vse report``).
+:mod:`models.report.gallery_page` in ``vse report``).
 
 :func:`gallery_data` (run by ``vse evaluate``, which has the model and the split's data
 loaded): for a few test queries picked evenly over the split, each direction's top-5 with
@@ -46,16 +46,14 @@ def retrievals(sims, caption_image, image_keys, caption_keys, captions, k: int =
     def top(scores) -> np.ndarray:
         return np.argsort(-scores, kind="stable")[:k]
 
+    def found(key: str, hit, score, **caption) -> dict:  # one retrieved item
+        return {"key": key, **caption, "hit": bool(hit), "score": round(float(score), 4)}
+
     i2t = [
         {
             "query": image_keys[i],
             "results": [
-                {
-                    "key": caption_keys[c],
-                    "caption": captions[c],
-                    "hit": bool(caption_image[c] == i),
-                    "score": round(float(sims[i, c]), 4),
-                }
+                found(caption_keys[c], caption_image[c] == i, sims[i, c], caption=captions[c])
                 for c in top(sims[i])
             ],
         }
@@ -69,12 +67,7 @@ def retrievals(sims, caption_image, image_keys, caption_keys, captions, k: int =
             "query": caption_keys[c],
             "caption": captions[c],
             "results": [
-                {
-                    "key": image_keys[j],
-                    "hit": bool(j == caption_image[c]),
-                    "score": round(float(sims[j, c]), 4),
-                }
-                for j in top(sims[:, c])
+                found(image_keys[j], j == caption_image[c], sims[j, c]) for j in top(sims[:, c])
             ],
         }
         for c in firsts

@@ -1,4 +1,4 @@
-"""The retrieval gallery of ``vse report``, drawn from the data :mod:`models.gallery`
+"""The retrieval gallery of ``vse report``, drawn from the data :mod:`models.report.gallery`
 gives: every model's gallery data, the images and the Sentence-BERT extremes drawn as PNGs,
 and one self-contained HTML page that inlines them (no network, no files beside it
 needed). Region attention (MV-VSE Fig. 5) is drawn as each kept region's box, filled in
@@ -18,7 +18,8 @@ import numpy as np
 # --------------------------------------------------------------------------- drawing
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """pyplot (on the Agg backend: no display) and a new figure of that size in inches."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +52,7 @@ def _wrap(text: str, width: int) -> str:
 def draw_text_to_image(query: dict, per_model: dict[str, dict], load_image) -> bytes:
     """One caption query: each model's top-5 images, the ground truth framed in green."""
     top_k = max(len(results) for results in per_model.values())
-    plt, fig = _figure(2.0 * top_k + 1.6, 1.9 * len(per_model) + 0.7)
+    plt, fig = new_figure(2.0 * top_k + 1.6, 1.9 * len(per_model) + 0.7)
     fig.suptitle(f"\u201c{query['caption']}\u201d", fontsize=11)
     rows = len(per_model)
     for r, (model, results) in enumerate(per_model.items()):
@@ -68,7 +69,7 @@ def draw_text_to_image(query: dict, per_model: dict[str, dict], load_image) -> b
 def draw_image_to_text(query_key: str, per_model: dict[str, list[dict]], load_image) -> bytes:
     """One image query: each model's top-5 captions, the ground truth ticked in green."""
     lines = sum(len(results) + 1 for results in per_model.values())
-    plt, fig = _figure(11, max(2.6, 0.22 * lines + 0.4))
+    plt, fig = new_figure(11, max(2.6, 0.22 * lines + 0.4))
     ax = fig.add_axes((0.01, 0.05, 0.24, 0.9))
     _show(ax, load_image(query_key))
     ax.set_title(query_key, fontsize=9)
@@ -96,7 +97,7 @@ def draw_views(model: str, image_key: str, entry: dict, load_image) -> bytes:
     views = len(entry["attention"])
     cols = min(views, 4)
     rows = -(-views // cols)
-    plt, fig = _figure(3.0 * cols, 3.1 * rows + 0.5)
+    plt, fig = new_figure(3.0 * cols, 3.1 * rows + 0.5)
     fig.suptitle(f"{model}: {image_key}, attention of each view over the regions", fontsize=10)
     for v, weights in enumerate(entry["attention"]):
         ax = fig.add_subplot(rows, cols, v + 1)
@@ -127,7 +128,7 @@ def draw_consistency(split: str, extremes: dict, load_image) -> bytes:
         ("most consistent", extremes["most_consistent"][:3]),
         ("least consistent", extremes["least_consistent"][:3]),
     ]
-    plt, fig = _figure(12, 7)
+    plt, fig = new_figure(12, 7)
     fig.suptitle(
         f"{split}: captions of one image, most and least alike (Sentence-BERT)", fontsize=11
     )

@@ -3,16 +3,16 @@ papers report (their datasets, not ours: for orientation only) and a bar plot of
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
 
+from models.report.gallery_page import new_figure, write_gallery
+
 # (dataset and protocol, i2t R@1/5/10, t2i R@1/5/10) as printed in the papers
 PAPER_NUMBERS: dict[str, tuple[str, tuple[float, ...]]] = {
-    "vsepp": (
-        "MS-COCO 1K, fixed CNN (UniVSE Table 1)",
-        (57.7, 86.0, 94.0, 42.8, 77.2, 87.4),
-    ),
+    "vsepp": ("MS-COCO 1K, fixed CNN (UniVSE Table 1)", (57.7, 86.0, 94.0, 42.8, 77.2, 87.4)),
     "mvvse": ("MS-COCO 5K, BiGRU (MV-VSE Table 2)", (56.7, 84.1, 91.4, 40.3, 70.6, 81.6)),
     "camera": ("MS-COCO 1K, single model (CAMERA Table 3)", (75.9, 95.5, 98.6, 62.3, 90.1, 95.2)),
     "huse": ("UPMC Food-101: accuracy image 73.8, text 87.3, fused 92.3 (HUSE Table 3)", ()),
@@ -141,13 +141,9 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 def plot_rsum(results: dict[str, dict], path: Path) -> None:
     """Bar plot: clean rsum and the adversarial i2t R@1 sum per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(results)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    plt, fig = new_figure(10, 3.6)
+    axes = fig.subplots(1, 2)
     # an ablation's bar (a run of models.ablations) paler than the models'
     colours = ["#a6bddb" if is_ablation(n, results[n]) else "#4c72b0" for n in names]
     axes[0].bar(names, [results[n]["full"]["rsum"] for n in names], color=colours)
@@ -177,12 +173,8 @@ def plot_rsum(results: dict[str, dict], path: Path) -> None:
 def plot_training(histories: dict[str, list[dict]], path: Path) -> None:
     """Training curves of every model in one figure: the loss (each model's own scale, so
     divided by its first epoch's) and the validation rsum, per epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (loss_ax, rsum_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+    plt, fig = new_figure(10, 3.6)
+    loss_ax, rsum_ax = fig.subplots(1, 2)
     for name, rows in histories.items():
         epochs = [r["epoch"] + 1 for r in rows]
         first = rows[0]["loss"] or 1.0
@@ -208,8 +200,6 @@ def write_report(
     """Stage ``report``: the markdown comparison of every model's evaluation, the bar plot
     and (with ``histories``, the per-epoch rows of ``vse train --plots``) the training
     curves of all models in one PNG; returns the table."""
-    import json
-
     from infra.config import UserError
     from infra.files import atomic_path, write_text
 
@@ -257,12 +247,9 @@ def write_galleries(
     html: Path,
     pngs: Path,
 ) -> list[Path]:
-    """The retrieval gallery of every model (:func:`models.gallery.write_gallery`) with
-    the images of the manifest and, if given, the Sentence-BERT extremes of the test split."""
-    import json
-
+    """Every model's retrieval gallery (:func:`models.report.gallery_page.write_gallery`)
+    with the manifest's images and, if given, the test split's Sentence-BERT extremes."""
     from features.ingest.manifest import read_manifest
-    from models.report.gallery_page import write_gallery
 
     table = read_manifest(manifest).table
     image_paths = {
