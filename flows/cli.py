@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             from flows.params import load_params
 
             params = load_params(args.params)
-        return command.run(args, params)
+        return command.run(args, params) or 0
     except (ConfigError, UserError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else getattr(err, "exit_code", 1)  # Preempted: 75

@@ -20,6 +20,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.pipeline import features_flow, pipeline_flow, run_flow, stage_metrics
+from infra.config import UserError
 
 
 def attach_evaluation(model: str, overrides: dict | None, workspace: Path, experiment) -> None:
@@ -104,8 +105,6 @@ def wait_for_server(timeout: float = 120.0) -> None:
     import urllib.request
 
     from prefect.settings import PREFECT_API_URL
-
-    from infra.config import UserError
 
     api = PREFECT_API_URL.value()
     if not api:

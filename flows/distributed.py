@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from features.images.config import ExtractConfig, GridConfig, RegionsConfig
 from features.store.reader import Store
 from features.store.spec import StoreConfig, StoreError
+from infra.config import require_extra
 from infra.files import is_url, location
 
 
@@ -236,8 +237,6 @@ def run_distributed(
     """Run :func:`extract_distributed` with Prefect's Dask task runner on the cluster at
     ``address``, or on a LocalCluster of ``workers`` single-threaded processes that lives
     as long as the flow run."""
-    from infra.config import require_extra
-
     require_extra("distributed", "dask", "extraction over a Dask cluster")
     dask = require_extra("prefect_dask", "dask", "extraction over a Dask cluster")
     if address:

@@ -258,7 +258,7 @@ def _apply_rules(stages: dict, plan: Plan) -> list[str]:
     return dropped
 
 
-def _yaml():
+def round_trip_yaml():
     """ruamel's round-trip YAML (comments kept), in the project's layout; null as null."""
     from ruamel.yaml import YAML
 
@@ -274,7 +274,7 @@ def _yaml():
 def real_dag(template: str, plan: Plan) -> tuple[str, list[str]]:
     """The demo's ``dvc.yaml`` text for this dataset (comments kept), and the stages it
     dropped; paths no stage names any more leave ``vars`` too."""
-    rt = _yaml()
+    rt = round_trip_yaml()
     dag = rt.load(template)
     if "demo-data" not in dag["stages"]:
         raise UserError(
@@ -305,7 +305,7 @@ def real_dag(template: str, plan: Plan) -> tuple[str, list[str]]:
 
 def _commented(params: dict, reasons: dict[str, str], header: str) -> str:
     """``params`` as YAML with each chosen key's reason as comment lines above it."""
-    rt = _yaml()
+    rt = round_trip_yaml()
     doc = rt.load(yaml.safe_dump(params, sort_keys=False))
     for key, why in reasons.items():
         *parents, last = key.split(".")

@@ -6,7 +6,7 @@ into one model. Unknown keys and wrong types fail with the full key path, e.g.
 
 Sections are named by import path, not imported here: a stage's code deps in ``dvc.yaml``
 are the modules its command imports, and those of the sections it does not read cannot
-change its outputs (``tests/test_dag.py`` adds the modules of the sections it reads).
+change its outputs (``tools/dag_deps.py`` adds the modules of the sections it reads).
 """
 
 from __future__ import annotations

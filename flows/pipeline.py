@@ -169,14 +169,10 @@ def apply_overrides(params: Path, overrides: dict) -> None:
     """Set dotted keys (``models.mvvse.lambda_``) of ``params`` to JSON values (numbers,
     strings, null, lists), keeping its comments and layout; the result is validated as a
     whole, so a wrong key or value fails before any stage runs."""
-    from ruamel.yaml import YAML
-
+    from flows.init import round_trip_yaml
     from flows.params import load_params
 
-    yaml = YAML()
-    yaml.representer.add_representer(
-        type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null")
-    )
+    yaml = round_trip_yaml()
     data = yaml.load(params.read_text(encoding="utf-8")) or {}
     for key, value in overrides.items():
         *parents, leaf = key.split(".")

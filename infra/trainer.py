@@ -12,6 +12,7 @@ detectron2's ``TrainerBase``, the epoch function and ``end_epoch`` being the hoo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from infra.config import UserError
 from infra.resume import StepCheckpoints, plain, restore_training, training_state
 
 
+@dataclass(eq=False)
 class Trainer:
     """One run's resumable epochs.
 
@@ -28,31 +30,26 @@ class Trainer:
     ``fields()`` gives the run's own fields saved beside it (e.g. the best val score).
     Only rank 0 writes; every rank takes part in the agreement on when to write."""
 
-    def __init__(
-        self,
-        name: str,
-        model: nn.Module,
-        optimizer,
-        scheduler,
-        *,
-        identity: dict,
-        last_path: Path | None,
-        device: torch.device,
-        error: type[UserError] = UserError,
-        log: Callable[[str], None] = print,
-        every_steps: int = 0,
-        every_minutes: float = 0,
-        rank: int = 0,
-        world: int = 1,
-        fields: Callable[[], dict] = dict,
-    ):
-        self.name, self.model, self.optimizer, self.scheduler = name, model, optimizer, scheduler
-        self.identity, self.last_path, self.device = identity, last_path, device
-        self.error, self.log, self.rank, self.world, self.fields = error, log, rank, world, fields
-        self.every = (every_steps, every_minutes)
-        self.checkpoints: StepCheckpoints | None = None  # while fitting: signals are ours
-        self.history: list[dict] = []
-        self.start, self.within = 0, None
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    _: KW_ONLY
+    identity: dict
+    last_path: Path | None
+    device: torch.device
+    error: type[UserError] = UserError
+    log: Callable[[str], None] = print
+    every_steps: int = 0
+    every_minutes: float = 0
+    rank: int = 0
+    world: int = 1
+    fields: Callable[[], dict] = dict
+    # while fit() runs: its step checkpoints, which handle the stop signals
+    checkpoints: StepCheckpoints | None = field(default=None, init=False)
+    history: list[dict] = field(default_factory=list, init=False)
+    start: int = field(default=0, init=False)  # the first epoch to run
+    within: dict | None = field(default=None, init=False)  # the step checkpoint resumed from
 
     def resume(self, ckpt: dict | None = None) -> dict | None:
         """Restore ``last.pt`` (weights, optimizer, scheduler, RNG, history) when it exists
@@ -138,7 +135,9 @@ class Trainer:
         (e.g. val metrics), the row joins the history, ``last.pt`` is written, then
         ``after_save(epoch, row, state)`` (e.g. ``best.pt`` from ``state``, logging). A
         signal during an epoch stops the run after it, once ``last.pt`` is on disk."""
-        self.checkpoints = StepCheckpoints(*self.every, self.log, self.error)
+        self.checkpoints = StepCheckpoints(
+            self.every_steps, self.every_minutes, self.log, self.error
+        )
         try:
             for epoch in range(self.start, epochs):
                 row = run_epoch(epoch, self.within if epoch == self.start else None)

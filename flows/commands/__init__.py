@@ -1,9 +1,10 @@
 """The ``vse`` commands, one module each: its arguments and its handler together.
 
 A handler ``run(args, params)``, registered by :func:`command`, reads its inputs, calls the
-stage's pure core (in ``features/`` or ``models/``) and reports. Heavy imports (torch,
-zarr, spaCy) happen inside handlers, so ``vse --help`` starts fast. :func:`discover`
-imports every module of this package: nothing else lists the commands.
+stage's pure core (in ``features/`` or ``models/``) and reports; what it returns is the
+exit status, None for 0. Heavy imports (torch, zarr, spaCy) happen inside handlers, so
+``vse --help`` starts fast. :func:`discover` imports every module of this package: nothing
+else lists the commands.
 
 :func:`path_in` / :func:`path_out` mark a path argument as an input or an output of the
 stage; ``tests/test_dag.py`` checks them against ``dvc.yaml``'s deps and outs.
@@ -15,7 +16,7 @@ import argparse
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,8 @@ class Command:
 
     name: str  # words after `vse`, e.g. "extract text"
     help: str
-    arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, Any], int]
+    run: Callable[[argparse.Namespace, Any], int | None]
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
     sections: tuple[str, ...] | None = ()
     description: str | None = None
 
@@ -48,17 +49,12 @@ GROUPS = {
 _COMMANDS: list[Command] = []  # filled by @command as discover() imports the modules
 
 
-def command(
-    name: str,
-    help: str,
-    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None,
-    sections: tuple[str, ...] | None = (),
-    description: str | None = None,
-) -> Callable:
-    """Register the decorated handler as the :class:`Command` ``vse <name>``."""
+def command(name: str, **fields) -> Callable:
+    """Register the decorated handler as the :class:`Command` ``vse <name>``; ``fields``:
+    its other fields (``help``, ``arguments``, ``sections``, ``description``)."""
 
     def register(run: Callable) -> Callable:
-        _COMMANDS.append(Command(name, help, arguments, run, sections, description))
+        _COMMANDS.append(Command(name, run=run, **fields))
         return run
 
     return register
@@ -100,3 +96,13 @@ def stage_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
 def progress(desc: str, unit: str = "img") -> Callable:
     """A progress bar factory showing items/s: ``progress(total=n)`` or ``progress(items)``."""
     return functools.partial(tqdm, desc=desc, unit=unit, mininterval=1.0, dynamic_ncols=True)
+
+
+def text_table(header: Sequence, rows: Iterable[Sequence]) -> str:
+    """``header`` and ``rows`` (sequences of cells, turned to text) as lines of columns
+    padded to their widest cell, two spaces apart, trailing spaces dropped."""
+    table = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(c) for c in col) for col in zip(*table, strict=True)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
+    )

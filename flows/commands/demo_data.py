@@ -20,7 +20,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("demo",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.demo import build_dataset
 
     cfg = params.demo
@@ -32,4 +32,3 @@ def run(args, params) -> int:
         f"test, {cfg.image_size}px) and {n * cfg.captions_per_image} captions to {args.out} "
         f"in {seconds:.1f} s ({n / seconds:.0f} img/s)"
     )
-    return 0

@@ -38,7 +38,7 @@ def evaluate_arguments(p) -> None:
     arguments=evaluate_arguments,
     sections=("evaluate",),
 )
-def run_evaluate(args, params) -> int:
+def run_evaluate(args, params) -> None:
     """The checkpoint's model on ``evaluate.split`` (standardised with the train statistics
     it was trained with): metrics JSON, and the gallery's data when asked."""
     from infra.device import resolve_device
@@ -90,4 +90,3 @@ def run_evaluate(args, params) -> int:
         )
         + f" -> {args.out}"
     )
-    return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from flows.commands import command
-from flows.text_table import text_table
+from flows.commands import command, text_table
+from infra.config import UserError
 
 
 def _flat(data: dict, prefix: str = "") -> dict:
@@ -72,11 +72,8 @@ def table(shown: list[dict]) -> str:
     "and each model's evaluation rsum (dvc exp show --json has everything).",
     sections=None,
 )
-def run(args, params) -> int:
-    from infra.config import UserError
-
+def run(args, params) -> None:
     result = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
     if result.returncode:
         raise UserError(f"dvc exp show failed: {result.stderr.strip().splitlines()[-1:]}")
     print(table(json.loads(result.stdout)))
-    return 0

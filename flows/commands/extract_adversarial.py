@@ -25,7 +25,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("adversarial", "text", "store"),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.adversarial import adversarial_stage
     from features.text.stage import load_bert_texts
@@ -51,4 +51,3 @@ def run(args, params) -> int:
         f"({counts}) encoded in {time.perf_counter() - start:.0f} s -> {args.captions}, "
         f"{args.out}"
     )
-    return 0

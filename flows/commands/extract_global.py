@@ -22,7 +22,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("global", "store"),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.images.global_features import extract_global
     from features.ingest.manifest import read_manifest
 
@@ -36,4 +36,3 @@ def run(args, params) -> int:
     )
     dims = ", ".join(f"{k} {v.shape}" for k, v in store.fields.items())
     print(f"extract global: {len(store)} images -> {args.out} ({dims})")
-    return 0

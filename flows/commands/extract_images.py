@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from flows.commands import command, path_in, path_out, progress
+from infra.config import UserError
 from infra.files import location
 
 DASK_WORKERS, DASK_ADDRESS = "VSE_DASK_WORKERS", "VSE_DASK_ADDRESS"
@@ -43,8 +44,6 @@ def arguments(p) -> None:
 
 def dask_settings(args) -> tuple[int, str | None]:
     """Workers and address from the flags, else from the environment."""
-    from infra.config import UserError
-
     workers = args.dask_workers
     if workers is None:
         value = os.environ.get(DASK_WORKERS, "").strip() or "0"
@@ -59,7 +58,7 @@ def dask_settings(args) -> tuple[int, str | None]:
     return workers, address
 
 
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.images.extract import build_image_extractor, extract_images
     from features.images.report import region_recall, report_bad_images
     from features.ingest.manifest import read_manifest
@@ -103,7 +102,6 @@ def run(args, params) -> int:
             )
     extra = {"ground_truth": coverage} if coverage else None
     report_bad_images(out, Path(args.errors), Path(args.metrics), cfg.max_error_fraction, extra)
-    return 0
 
 
 for stage, text in (

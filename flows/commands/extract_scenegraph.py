@@ -27,7 +27,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("scenegraph",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.files import write_scene_graphs
     from features.scenegraph.stage import extract_scene_graphs, load_pipeline
@@ -53,4 +53,3 @@ def run(args, params) -> int:
         f"{counts['relations']} relations; negative vocabularies (train): "
         f"{result.summary['negative_vocab']} -> {args.out}"
     )
-    return 0

@@ -23,7 +23,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("text", "store"),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.manifest import read_manifest
     from features.text.stage import extract_text, load_bert_texts
 
@@ -48,4 +48,3 @@ def run(args, params) -> int:
         f"in {seconds:.1f} s ({n / seconds:.0f} captions/s); {len(vocab['words'])} words, "
         f"{len(vocab['tfidf_terms'])} TF-IDF terms -> {args.out}, {args.vocab}"
     )
-    return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from flows.commands import command
+from infra.config import UserError
 from models.registry import MODEL_NAMES
 
 FLOWS = ("features", "pipeline", *(f"train-{name}" for name in MODEL_NAMES))
@@ -14,10 +16,6 @@ def parse_overrides(items: list[str]) -> dict:
     """``-S key=value`` items -> {key: value}. A value is read as JSON when it is JSON
     (``0.5``, ``null``, ``true``, ``[8, 12]``, ``"a,b"``), else taken as a string
     (``bert-base-uncased``); a malformed item is a one-line error."""
-    import json
-
-    from infra.config import UserError
-
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -68,9 +66,7 @@ def flow_arguments(p) -> None:
     arguments=flow_arguments,
     sections=("models",),
 )
-def run_flow(args, params) -> int:
-    from infra.config import UserError
-
+def run_flow(args, params) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.deploy import TRAINING_FLOWS
     from flows.pipeline import features_flow, pipeline_flow
@@ -97,7 +93,6 @@ def run_flow(args, params) -> int:
         **extra,
     )
     print("flow: " + ", ".join(f"{stage} {state}" for stage, state in states.items()))
-    return 0
 
 
 def serve_arguments(p) -> None:
@@ -114,8 +109,7 @@ def serve_arguments(p) -> None:
     arguments=serve_arguments,
     sections=None,
 )
-def run_serve(args, params) -> int:
+def run_serve(args, params) -> None:
     from flows.deploy import serve
 
     serve(args.root, args.limit)
-    return 0

@@ -39,10 +39,9 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=None,
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from flows.init import init
 
     for line in init(args.dataset, args.annotations, args.images, args.root, args.boxes):
         print(f"vse init: {line}")
     print("vse init: wrote params.yaml and dvc.yaml; next: dvc repro")
-    return 0

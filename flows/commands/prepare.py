@@ -28,7 +28,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("prepare",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.prepare import prepare
 
     prepare(
@@ -40,4 +40,3 @@ def run(args, params) -> int:
         Path(args.metrics),
         progress=progress("prepare", unit="record"),
     )
-    return 0

@@ -14,14 +14,13 @@ from collections.abc import Container
 from pathlib import Path
 
 from flows.commands import command
+from infra.config import UserError, one_line
 
 
 def stage_inputs(repo, targets: list[str], written: Container[str]) -> list[str]:
     """The dependencies of ``targets`` (stage names, ``foreach`` entries like
     ``evaluate@mvvse``) that are in ``written`` (the stages' outputs), in the repository's
     paths."""
-    from infra.config import UserError
-
     paths: set[str] = set()
     for target in targets:
         try:
@@ -44,8 +43,6 @@ def tree_bytes(folder: Path) -> int:
 def pull_inputs(repo, stages: list[str], remote=None, jobs=None) -> dict:
     """Pull what ``stages`` read (:func:`stage_inputs`); the figures of the pull."""
     from dvc.exceptions import DvcException
-
-    from infra.config import UserError, one_line
 
     sizes = {  # each stage output's size in bytes, as dvc.lock records it
         str(out.def_path): int((out.meta.size if out.meta else None) or 0)
@@ -89,14 +86,14 @@ def arguments(p) -> None:
     sections=None,
     description=__doc__,
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from dvc.repo import Repo
 
     pulled = pull_inputs(Repo("."), args.stages, args.remote, args.jobs)
     names = " ".join(args.stages)
     if not pulled["outputs"]:
         print(f"pull {names}: the stage(s) read no other stage's outputs")
-        return 0
+        return
     wanted, total = pulled["wanted_bytes"], pulled["dag_bytes"]
     print(
         f"pull {names}: {len(pulled['outputs'])} output(s) of other stages, "
@@ -106,4 +103,3 @@ def run(args, params) -> int:
     )
     for path, size in pulled["outputs"].items():
         print(f"  {path}  {size / 2**20:.1f} MB")
-    return 0

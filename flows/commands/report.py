@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.commands import command, path_in, path_out
+from infra.config import UserError
 
 
 def report_arguments(p) -> None:
@@ -46,8 +47,7 @@ def model_files(paths: list[str] | None, enabled) -> list[Path]:
     arguments=report_arguments,
     sections=("models",),
 )
-def run_report(args, params) -> int:
-    from infra.config import UserError
+def run_report(args, params) -> None:
     from models.report.table import write_report
 
     enabled = list(params.models.enabled)
@@ -80,4 +80,3 @@ def run_report(args, params) -> int:
         print(
             f"report: gallery -> {args.gallery_html} ({len(pngs)} pictures in {args.gallery_pngs})"
         )
-    return 0

@@ -57,7 +57,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("shards",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.manifest import read_manifest
     from features.scenegraph.files import GRAPHS
     from features.shards.writer import build_shards, read_scene_graphs
@@ -96,4 +96,3 @@ def run(args, params) -> int:
         f"shards: {images} images in {len(sizes['shards'])} shards ({packed}) to {args.out} "
         f"in {seconds:.1f} s ({images / max(seconds, 1e-9):.0f} images/s)"
     )
-    return 0

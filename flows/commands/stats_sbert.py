@@ -24,7 +24,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("sbert",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.ingest.manifest import read_manifest
     from features.text.sbert_stats import caption_statistics, sbert_encoder, write_statistics
 
@@ -39,4 +39,3 @@ def run(args, params) -> int:
             f"{m.get('median', 0):.3f}, below 0: {m.get('fraction_below_0', 0):.1%}"
         )
     print(f"sbert: plot {args.png}, most/least consistent images {args.examples}")
-    return 0

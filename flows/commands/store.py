@@ -9,8 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.commands import command, path_in, path_out, progress
-from flows.text_table import text_table
+from flows.commands import command, path_in, path_out, progress, text_table
 
 
 def _storage_options(args) -> dict | None:
@@ -79,7 +78,7 @@ def run_ls(args, params) -> int:
     ),
     sections=None,
 )
-def run_info(args, params) -> int:
+def run_info(args, params) -> None:
     from features.store.reader import Store
 
     store = Store.open(args.url, require_complete=False, storage_options=_storage_options(args))
@@ -87,7 +86,6 @@ def run_info(args, params) -> int:
     print(
         json.dumps(info, indent=2) if args.json else yaml.safe_dump(info, sort_keys=False), end=""
     )
-    return 0
 
 
 @command(
@@ -199,7 +197,7 @@ def precomp_arguments(p) -> None:
     arguments=precomp_arguments,
     sections=("store",),
 )
-def run_import_precomp(args, params) -> int:
+def run_import_precomp(args, params) -> None:
     from features.exchange.precomp import import_precomp
 
     manifest = import_precomp(
@@ -211,7 +209,6 @@ def run_import_precomp(args, params) -> int:
         progress=progress("import", unit="shard"),
     )
     print(f"import: {len(manifest)} images of {args.splits} -> {args.manifest} and {args.out}")
-    return 0
 
 
 def tsv_arguments(p) -> None:
@@ -238,7 +235,7 @@ def _aligned_arguments(p) -> None:
     p.add_argument("--max-regions", type=int, default=36, help="regions kept per image")
 
 
-def _import_aligned(args, params, importer, source, what: str, **kwargs) -> int:
+def _import_aligned(args, params, importer, source, what: str, **kwargs) -> None:
     """``importer(source, ...)`` into a regions store aligned with ``--manifest``; reports
     the manifest images that had no ``what``."""
     from features.ingest.manifest import read_manifest
@@ -259,7 +256,6 @@ def _import_aligned(args, params, importer, source, what: str, **kwargs) -> int:
             f"import: {len(missing)} manifest images have no {what} (stored with 0 regions), "
             f"e.g. {', '.join(missing[:5])}"
         )
-    return 0
 
 
 @command(
@@ -268,11 +264,11 @@ def _import_aligned(args, params, importer, source, what: str, **kwargs) -> int:
     arguments=tsv_arguments,
     sections=("store",),
 )
-def run_import_tsv(args, params) -> int:
+def run_import_tsv(args, params) -> None:
     from features.exchange.butd_tsv import import_butd_tsv
 
     tsv = [Path(f) for f in args.tsv]
-    return _import_aligned(args, params, import_butd_tsv, tsv, "TSV row", fmt=args.format)
+    _import_aligned(args, params, import_butd_tsv, tsv, "TSV row", fmt=args.format)
 
 
 def npz_arguments(p) -> None:
@@ -287,10 +283,10 @@ def npz_arguments(p) -> None:
     arguments=npz_arguments,
     sections=("store",),
 )
-def run_import_npz(args, params) -> int:
+def run_import_npz(args, params) -> None:
     from features.exchange.milvlg_npz import import_npz
 
-    return _import_aligned(args, params, import_npz, Path(args.folder), ".npz file")
+    _import_aligned(args, params, import_npz, Path(args.folder), ".npz file")
 
 
 def export_arguments(p) -> None:
@@ -316,13 +312,12 @@ def _regions_store(args):
     arguments=export_arguments,
     sections=None,
 )
-def run_export_precomp(args, params) -> int:
+def run_export_precomp(args, params) -> None:
     from features.exchange.precomp import export_precomp
 
     manifest, store = _regions_store(args)
     path = export_precomp(store, manifest, args.split, Path(args.out), n_regions=args.regions)
     print(f"export: {args.split} -> {path} (+ captions and ids)")
-    return 0
 
 
 def export_tsv_arguments(p) -> None:
@@ -338,7 +333,7 @@ def export_tsv_arguments(p) -> None:
     arguments=export_tsv_arguments,
     sections=None,
 )
-def run_export_tsv(args, params) -> int:
+def run_export_tsv(args, params) -> None:
     from features.exchange.butd_tsv import export_obj36
 
     manifest, store = _regions_store(args)
@@ -349,4 +344,3 @@ def run_export_tsv(args, params) -> int:
             f"export: {len(skipped)} images without regions left out, e.g. "
             f"{', '.join(skipped[:5])} (Store.notes() says why)"
         )
-    return 0

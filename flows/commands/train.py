@@ -63,7 +63,7 @@ def train_arguments(p) -> None:
     )
 
 
-def run_train(args, params) -> int:
+def run_train(args, params) -> None:
     from models.train import train_stage
 
     start = time.perf_counter()
@@ -88,7 +88,6 @@ def run_train(args, params) -> int:
         f"train {args.model}: best val rsum {result['best_rsum']:.1f} after "
         f"{len(result['history'])} epochs in {time.perf_counter() - start:.0f} s -> {args.out}"
     )
-    return 0
 
 
 for model in MODEL_NAMES:

@@ -34,7 +34,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("detector",),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.detector import data as dd
     from features.detector.metrics import plot_ap, write_metrics
     from features.detector.train import train_detector
@@ -78,4 +78,3 @@ def run(args, params) -> int:
         + f" on {metrics['val_images']} val images; {time.perf_counter() - start:.0f} s -> "
         f"{args.out}, {args.metrics}, {args.plot}"
     )
-    return 0

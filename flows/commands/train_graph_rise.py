@@ -33,7 +33,7 @@ def arguments(p) -> None:
     arguments=arguments,
     sections=("graph_rise", "store", "sbert"),
 )
-def run(args, params) -> int:
+def run(args, params) -> None:
     from features.images.graph_rise.stage import train_graph_rise
     from features.ingest.manifest import read_manifest
     from infra.files import write_json
@@ -70,4 +70,3 @@ def run(args, params) -> int:
     for key in (k for k in metrics if "_label_precision_at_" in k):  # val, test
         print(f"graph-rise: {key} {json.dumps({k: round(v, 4) for k, v in metrics[key].items()})}")
     print(f"graph-rise: {time.perf_counter() - start:.1f} s -> {args.out}, {args.metrics}")
-    return 0
