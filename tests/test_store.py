@@ -22,7 +22,6 @@ from features.store.spec import (
     Provenance,
     StoreConfig,
     StoreError,
-    ragged_fields,
     regions_fields,
 )
 from features.store.writer import StoreWriter
@@ -126,10 +125,10 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, kind):
 
 def test_second_writer_gets_a_lock_error(tmp_path):
     keys = ["a", "b"]
-    with StoreWriter(tmp_path / "s.zarr", "tokens", ragged_fields(4), keys, job.PROVENANCE):
+    with StoreWriter(tmp_path / "s.zarr", "tokens", job.ragged_fields(4), keys, job.PROVENANCE):
         with pytest.raises(StoreError, match="locked by a running writer \\(pid"):
             StoreWriter(
-                tmp_path / "s.zarr", "tokens", ragged_fields(4), keys, job.PROVENANCE
+                tmp_path / "s.zarr", "tokens", job.ragged_fields(4), keys, job.PROVENANCE
             ).open()
 
 
@@ -196,7 +195,7 @@ def test_writer_checks_shapes_fields_and_order(tmp_path):
         with pytest.raises(StoreError, match="expects"):
             w.write_shard(0, {"features": np.zeros((4, 3, 5))})
     with StoreWriter(
-        tmp_path / "r.zarr", "tokens", ragged_fields(5), keys, job.PROVENANCE, cfg
+        tmp_path / "r.zarr", "tokens", job.ragged_fields(5), keys, job.PROVENANCE, cfg
     ) as w:
         with pytest.raises(StoreError, match="committed in order"):
             w.write_shard(1, {"features": [np.zeros((2, 5))] * 4})
@@ -210,7 +209,7 @@ def test_join_by_key_refuses_other_manifests(tmp_path):
     assert rows["regions"].tolist() == [3, 1] and rows["tokens"].tolist() == [3, 1]
     keys = [f"img{i:04d}" for i in range(10)]
     other = Provenance("x", "1", {}, None, "z" * 64)
-    with StoreWriter(tmp_path / "c.zarr", "tokens", ragged_fields(16), keys, other) as w:
+    with StoreWriter(tmp_path / "c.zarr", "tokens", job.ragged_fields(16), keys, other) as w:
         w.write_shard(0, job.shard_data("tokens", 0, 10))
     with pytest.raises(StoreError, match="different manifests"):
         join_by_key({"a": a, "c": Store.open(tmp_path / "c.zarr")}, keys)
@@ -509,14 +508,14 @@ def test_verify_checks_an_incomplete_stores_own_arrays_and_skips_writers_files(t
 
 
 def test_store_files_lists_every_file_but_writers_locks_and_temporary_files(tmp_path):
-    from features.store.integrity import store_files
+    from features.store.integrity import local_fs, store_files
 
     for rel in ["zarr.json", "features/c/0", ".lock", ".shard_locks/3", "features/.c.1.9.ab.tmp"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x")
     (tmp_path / "keys" / ".lock").parent.mkdir()
     (tmp_path / "keys" / ".lock").write_text("a lock's name, not the store's lock")
-    listed = [rel for rel, path in store_files(tmp_path) if path == tmp_path / rel]
+    listed = list(store_files(*local_fs(tmp_path)))
     assert listed == ["features/c/0", "keys/.lock", "zarr.json"]
 
 
@@ -661,7 +660,7 @@ def test_gathers_refuse_bad_indices_and_read_compressed_stores(tmp_path):
     keys = [f"k{i}" for i in range(20)]
     cfg = StoreConfig(samples_per_shard=8, samples_per_chunk=4, compression="zstd")
     data = np.random.default_rng(0).standard_normal((20, 3, 5)).astype(np.float16)
-    fields = {"f": job.regions_fields(3, 5)["features"], **ragged_fields(2, "r")}
+    fields = {"f": job.regions_fields(3, 5)["features"], **job.ragged_fields(2, "r")}
     with StoreWriter(tmp_path / "z.zarr", "x", fields, keys, job.PROVENANCE, cfg) as w:
         for shard in w.pending_shards():
             start, stop = w.shard_range(shard)

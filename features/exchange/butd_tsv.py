@@ -30,10 +30,7 @@ from features.exchange.precomp import (
     store_indices,
     with_progress,
 )
-from features.ingest.manifest import (
-    IngestError,
-    Manifest,
-)
+from features.ingest.manifest import IngestError, Manifest
 from features.store.spec import FieldSpec, Provenance, StoreConfig, StoreError, regions_fields
 from features.store.writer import StoreWriter
 

@@ -24,16 +24,15 @@ from infra.config import one_line
 
 NPZ_ARRAYS = ("x", "bbox", "num_bbox", "image_h", "image_w")
 
-# what numpy's own pickle of an array needs, and nothing else
-_NUMPY_GLOBALS = {("multiarray", "_reconstruct"), ("multiarray", "scalar")}
-
 
 class _ArraysOnly(pickle.Unpickler):
+    """Finds what numpy's own pickle of an array needs, and nothing else."""
+
     def find_class(self, module: str, name: str):
-        if module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-            if ("multiarray", name) in _NUMPY_GLOBALS:
-                return getattr(np._core.multiarray, name)
-        elif module == "numpy" and name in ("ndarray", "dtype"):
+        multiarray = module in ("numpy.core.multiarray", "numpy._core.multiarray")
+        if multiarray and name in ("_reconstruct", "scalar"):
+            return getattr(np._core.multiarray, name)
+        if module == "numpy" and name in ("ndarray", "dtype"):
             return getattr(np, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a numpy array")
 

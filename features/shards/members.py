@@ -132,8 +132,7 @@ _MAPPED = Kept(MAX_MAPPED)  # local shards stay mapped (and checked) between epo
 def _mapped(path: str, url: str) -> Mapped:
     """The local tar ``path`` located and mapped (populated: every page at once), kept while
     the file is unchanged, so that its members' CRC-32C are checked once, the first time it
-    is read (on every read they cost half of streaming's throughput, by
-    benchmarks/store_read.py)."""
+    is read."""
     try:
         stat = Path(path).stat()
     except FileNotFoundError:

@@ -9,6 +9,7 @@ import re
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -87,34 +88,16 @@ def build_shards(
     A local folder is built aside and moved into place whole (a folder that is not a
     shards folder is refused, not replaced); remote shards lose their old ``sizes.json``
     first and get the new one last, so readers never take a half-written set."""
+    import fsspec
+
     from infra.files import atomic_path, is_url
 
-    args = (manifest, stores, cfg, progress, text, scene_graphs, scene_graphs_digest)
-    if is_url(out):
-        return _build(*args, out, storage_options)
-    out = Path(out)
-    if out.exists() and not _is_shards_folder(out):
+    remote = is_url(out)
+    if not remote and Path(out).exists() and not _is_shards_folder(Path(out)):
         raise StoreError(
             f"{out} exists and is not a shards folder (no {SIZES}, or files other than "
             "shards); remove it or choose another --out"
         )
-    with atomic_path(out, directory=True) as tmp:
-        return _build(*args, tmp, None)
-
-
-def _is_shards_folder(folder: Path) -> bool:
-    """A folder ``build_shards`` made (and may replace): only tars and ``sizes.json``."""
-    if not folder.is_dir():
-        return False
-    names = {p.name for p in folder.iterdir()}
-    return not names or (SIZES in names and all(n == SIZES or n.endswith(".tar") for n in names))
-
-
-def _build(
-    manifest, stores, cfg, progress, text, scene_graphs, scene_graphs_digest, out, storage_options
-) -> dict:
-    import fsspec
-
     cfg = cfg or ShardsConfig()
     named = {**stores, **({"text": text} if text else {})}
     for name, store in named.items():
@@ -126,15 +109,7 @@ def _build(
             )
     if "text" in stores:
         raise StoreError("--store text=...: 'text' names the caption-level store; use --text")
-    fs, root = fsspec.core.url_to_fs(str(out), **(storage_options or {}))
-    root = root.rstrip("/")
-    fs.makedirs(root, exist_ok=True)
-    for old in fs.glob(f"{root}/*.tar"):
-        fs.rm(old)
-    if fs.exists(f"{root}/{SIZES}"):
-        fs.rm(f"{root}/{SIZES}")
     rows = manifest.table.to_pylist()
-    caption_rows = text_rows(text, rows) if text else None
     sizes = {
         "format": FORMAT,
         "manifest_digest": manifest.digest,
@@ -143,44 +118,49 @@ def _build(
         "scene_graphs": scene_graphs_digest if scene_graphs is not None else None,
         "shards": {},
     }
-    positions = {}  # image key -> position in its split
-    for split in SPLITS:
-        split_rows = [r for r in rows if r["split"] == split]
-        positions.update({r["key"]: i for i, r in enumerate(split_rows)})
-        starts = range(0, len(split_rows), cfg.samples_per_shard)
-        for k, start in enumerate(progress(starts) if progress else starts):
-            name = f"{split}-{k:06d}.tar"
-            chunk = split_rows[start : start + cfg.samples_per_shard]
-            with tempfile.TemporaryDirectory() as tmp:
-                local = Path(tmp) / name
-                counts = _write_shard(
-                    local, split, chunk, positions, stores, text, caption_rows, scene_graphs, cfg
-                )
-                fs.put_file(str(local), f"{root}/{name}")
-            sizes["shards"][name] = {"split": split, **counts}
-    with fs.open(f"{root}/{SIZES}", "w") as f:  # last: shards without it are not read
-        f.write(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
+    with nullcontext(out) if remote else atomic_path(Path(out), directory=True) as target:
+        options = storage_options if remote and storage_options else {}
+        fs, root = fsspec.core.url_to_fs(str(target), **options)
+        root = root.rstrip("/")
+        fs.makedirs(root, exist_ok=True)
+        for old in fs.glob(f"{root}/*.tar"):
+            fs.rm(old)
+        if fs.exists(f"{root}/{SIZES}"):
+            fs.rm(f"{root}/{SIZES}")
+        positions = {}  # image key -> position in its split
+        for split in SPLITS:
+            split_rows = [r for r in rows if r["split"] == split]
+            positions.update({r["key"]: i for i, r in enumerate(split_rows)})
+            starts = range(0, len(split_rows), cfg.samples_per_shard)
+            for k, start in enumerate(progress(starts) if progress else starts):
+                name = f"{split}-{k:06d}.tar"
+                chunk = split_rows[start : start + cfg.samples_per_shard]
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = Path(tmp) / name
+                    counts = _write_shard(
+                        local, split, chunk, positions, stores, text, scene_graphs, cfg
+                    )
+                    fs.put_file(str(local), f"{root}/{name}")
+                sizes["shards"][name] = {"split": split, **counts}
+        with fs.open(f"{root}/{SIZES}", "w") as f:  # last: shards without it are not read
+            f.write(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
     return sizes
 
 
+def _is_shards_folder(folder: Path) -> bool:
+    """A folder ``build_shards`` made (and may replace): only tars and ``sizes.json``."""
+    if not folder.is_dir():
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return not names or (SIZES in names and all(n == SIZES or n.endswith(".tar") for n in names))
+
+
 def _describe(store: Store) -> dict:
-    return {
-        "kind": store.kind,
-        "fingerprint": store.fingerprint,
-        "fields": {
-            k: {"shape": list(v.shape), "dtype": v.dtype, "ragged": v.ragged}
-            for k, v in store.fields.items()
-        },
-    }
+    """A packed store in ``sizes.json``: its kind, fingerprint and fields as it records them."""
+    return {"kind": store.kind, "fingerprint": store.fingerprint, "fields": store.attrs["fields"]}
 
 
-def text_rows(text: Store, rows: list[dict]) -> dict[str, int]:
-    """Row of each caption key (``<image>#<i>``) in the text store."""
-    keys = [caption_key(r["key"], j) for r in rows for j in range(len(r["captions"]))]
-    return {k: text.index(k) for k in keys}
-
-
-def _write_shard(path, split, chunk, positions, stores, text, caption_rows, graphs, cfg) -> dict:
+def _write_shard(path, split, chunk, positions, stores, text, graphs, cfg) -> dict:
     counts = {"images": len(chunk), "captions": 0, "groups": 0}
     index: list = []
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
@@ -203,7 +183,7 @@ def _write_shard(path, split, chunk, positions, stores, text, caption_rows, grap
                 rows = [store.index(k) for k in meta["keys"]]
                 _add_fields(tar, index, f"{key}.{member_name(name)}", store, rows)
             if text is not None:
-                _add_fields(tar, index, f"{key}.text", text, [caption_rows[c] for c in captions])
+                _add_fields(tar, index, f"{key}.text", text, [text.index(c) for c in captions])
             counts["captions"] += len(captions)
             counts["groups"] += 1
     return {**counts, "bytes": Path(path).stat().st_size, "members": index}

@@ -24,9 +24,8 @@ def sha256_bytes(data: bytes) -> str:
 
 def file_checksum(data) -> str:
     """Checksum of a store file's bytes, as commit markers record it: ``crc32c:<hex>``
-    (CRC-32C, in hardware at ~10 GB/s: it detects corrupt and truncated files, as Zarr's
-    own shard-index CRC-32C does, at a small fraction of a SHA-256's cost). Markers of
-    older stores hold SHA-256 hex digests; :meth:`Store.verify` checks both."""
+    (it finds corrupt and truncated files at a fraction of a SHA-256's cost). Markers of
+    older stores hold SHA-256 hex digests; :func:`verify_store` checks both."""
     return f"crc32c:{google_crc32c.value(readonly_view(data)):08x}"
 
 
@@ -112,13 +111,14 @@ def _is_writers_file(rel: str) -> bool:
     return rel == LOCK or rel.startswith(SHARD_LOCKS + "/") or is_temp(rel.rsplit("/", 1)[-1])
 
 
-def store_files(path: Path) -> Iterator[tuple[str, Path]]:
-    """``(relative name, path)`` of every file of a local store but writers' lock and
-    temporary files."""
-    for file in sorted(path.rglob("*")):
-        rel = file.relative_to(path).as_posix()
-        if file.is_file() and not _is_writers_file(rel):
-            yield rel, file
+def store_files(fs, root: str) -> Iterator[str]:
+    """The relative name of every file of the store at ``root`` (an fsspec file system and
+    path) but writers' lock and temporary files."""
+    fs.invalidate_cache(root)
+    for path in fs.find(root):
+        rel = path[len(root) + 1 :]
+        if not _is_writers_file(rel):
+            yield rel
 
 
 def recorded_files(markers, attrs: dict) -> dict[str, str]:

@@ -242,11 +242,10 @@ class Store:
         if self.committed[shards].all():  # the common case: no set built
             return
         missing = sorted({int(k) for k in shards[~self.committed[shards]]})
-        if missing:
-            raise StoreError(
-                f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
-                "extraction to finish the store"
-            )
+        raise StoreError(
+            f"{self.url}: samples lie in uncommitted shard(s) {missing}; rerun the "
+            "extraction to finish the store"
+        )
 
     def _checked(self, indices: Sequence[int]) -> np.ndarray:
         """``indices`` as int64, each in range and in a committed shard."""

@@ -36,17 +36,16 @@ from typing import Any
 import numpy as np
 import zarr
 
-from features.store.integrity import checksums_text, file_checksum, read_checksums, recorded_files
-from features.store.layout import (
-    CHECKSUMS,
-    CHECKSUMS_CHUNK,
-    COMMITS,
-    INCOMPLETE,
-    LOCK,
-    MANIFEST,
-)
+from features.store.integrity import local_fs, read_checksums, store_files
+from features.store.layout import COMMITS, INCOMPLETE
 from features.store.spec import FieldSpec, Provenance, StoreConfig, StoreError
-from features.store.writer import StoreWriter, check_own_shard, own_shards
+from features.store.writer import (
+    BaseWriter,
+    StoreWriter,
+    check_own_shard,
+    own_shards,
+    write_checksums,
+)
 
 CLAIMS = "_claims"
 
@@ -64,7 +63,7 @@ class _Scratch(StoreWriter):
         self._release_lock()
 
 
-class RemoteStoreWriter:
+class RemoteStoreWriter(BaseWriter):
     """The writer of a store at an fsspec URL: the coordinator (``shards=None``: creates,
     resumes or keeps the store, may write any shard, finalizes it when every shard is
     committed) or one of several shard writers (``shards=[...]``: writes only those,
@@ -108,13 +107,6 @@ class RemoteStoreWriter:
 
     # -- lifecycle
 
-    def __enter__(self) -> RemoteStoreWriter:
-        self.open()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def open(self) -> None:
         ragged = self.scratch._ragged_names()
         if ragged:
@@ -157,10 +149,6 @@ class RemoteStoreWriter:
                 self._finalize()
         finally:
             self._folder.cleanup()
-
-    def pending_shards(self) -> list[int]:
-        """This writer's shards that no writer has committed yet, in order."""
-        return [k for k in self.only if k not in self.committed]
 
     def write_shard(
         self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
@@ -236,13 +224,9 @@ class RemoteStoreWriter:
         self._remove(self.root)
         self._remove(self.staging)
         local = self.scratch.path
-        files = sorted(
-            (p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()),
-            key=lambda rel: rel == f"{COMMITS}/zarr.json",
-        )
-        for rel in files:
-            if rel != LOCK:
-                self.fs.put_file(str(local / rel), f"{self.root}/{rel}")
+        files = store_files(*local_fs(local))
+        for rel in sorted(files, key=lambda rel: rel == f"{COMMITS}/zarr.json"):
+            self.fs.put_file(str(local / rel), f"{self.root}/{rel}")
 
     def _finalize(self) -> None:
         """Every shard claimed: the winners' files into place, the commit markers, the
@@ -256,18 +240,8 @@ class RemoteStoreWriter:
         group = zarr.open_group(self.url, mode="r+", storage_options=self.storage_options)
         group[COMMITS][:] = np.asarray(markers, dtype=object)
         attrs = dict(group.attrs["vse"])
-        n = attrs["n"]
-        attrs.update(complete=True, counts={"samples": n, "shards": self.n_shards})
+        attrs.update(complete=True, counts={"samples": attrs["n"], "shards": self.n_shards})
         group.attrs["vse"] = attrs
-        manifest = group.create_array(
-            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
-        )
-        files = recorded_files([json.loads(marker) for marker in markers], {})
-        self.fs.invalidate_cache(self.root)
-        for path in self.fs.find(self.root):
-            rel = path[len(self.root) + 1 :]
-            if rel not in files and rel != CHECKSUMS_CHUNK:
-                files[rel] = file_checksum(self.fs.cat_file(path))
-        manifest[0] = checksums_text(files)  # last: a store with it is whole
+        write_checksums(group, markers, self.fs, self.root)
         self._remove(self.staging)
         self.log(f"store {self.url}: complete, {self.n_shards} shards")

@@ -89,7 +89,3 @@ def regions_fields(
         fields[f"{label}_id"] = FieldSpec((max_regions,), "int32")
         fields[f"{label}_conf"] = FieldSpec((max_regions,), "float32")
     return fields
-
-
-def ragged_fields(dim: int, name: str = "features", dtype: str = "float16") -> dict:
-    return {name: FieldSpec((dim,), dtype, ragged=True)}

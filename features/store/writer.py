@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import zarr
@@ -51,7 +51,26 @@ from features.store.spec import (
 from infra.files import replace_dir, sweep_stale
 
 
-class StoreWriter:
+class BaseWriter:
+    """A store writer used as a context manager (``open`` on entry, ``close`` on exit),
+    writing the shards in ``only`` of which those in ``committed`` are done."""
+
+    only: list[int]
+    committed: set[int]
+
+    def __enter__(self) -> Self:
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def pending_shards(self) -> list[int]:
+        """This writer's uncommitted shards, in order."""
+        return [k for k in self.only if k not in self.committed]
+
+
+class StoreWriter(BaseWriter):
     """Create or resume a store and commit it shard by shard.
 
     The store is built in ``<path>.incomplete`` and moved to ``path`` when its last shard
@@ -97,13 +116,6 @@ class StoreWriter:
 
     # -- lifecycle
 
-    def __enter__(self) -> StoreWriter:
-        self.open()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def open(self) -> None:
         if self._target_is_this_store():
             self.reused, self.committed = True, set(range(self.n_shards))
@@ -139,9 +151,7 @@ class StoreWriter:
                 if child.name != LOCK:
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
             self._create()
-        self._open_group()
-        markers = self.commits[:]
-        self.committed = {k for k, m in enumerate(markers) if m}
+        markers = self._open_group()
         if self.committed:
             self.log(
                 f"store {self.path}: resuming, {len(self.committed)}/{self.n_shards} shards done"
@@ -157,8 +167,9 @@ class StoreWriter:
         if len(self.committed) == self.n_shards:
             if not self.group.attrs["vse"].get("complete"):
                 self._finalize()
-            if read_checksums(*local_fs(self.path))[0] is None:
-                self._write_checksums()  # last: a store with it is whole
+            fs, root = local_fs(self.path)
+            if read_checksums(fs, root)[0] is None:
+                write_checksums(self.group, self.commits[:], fs, root)
             replace_dir(self.path, self.target)  # still holding the lock's descriptor
         self._release_lock()
 
@@ -179,13 +190,17 @@ class StoreWriter:
         label = "shard writer " if shared else ""
         self._lock_file = take_lock(self.path / LOCK, refused, shared, label)
 
-    def _open_group(self) -> None:
+    def _open_group(self) -> list[str]:
         """The store's group, commit markers and arrays, kept (each lookup through the group
-        costs ~1 ms; a resized array must be the one object that knows its shape)."""
+        costs ~1 ms; a resized array must be the one object that knows its shape); sets
+        ``committed`` from the commit markers read now, and returns them."""
         self.group = zarr.open_group(self.path, mode="r+")
         self.commits = self.group[COMMITS]
         names = [[n, f"{n}_offsets"] if s.ragged else [n] for n, s in self.fields.items()]
         self._arrays = {name: self.group[name] for group in names for name in group}
+        markers = self.commits[:]
+        self.committed = {k for k, m in enumerate(markers) if m}
+        return markers
 
     def _layout_attrs(self) -> dict:
         """The layout params, and the chunk keys' separator (a store with other keys is
@@ -317,10 +332,6 @@ class StoreWriter:
     def shard_range(self, shard: int) -> tuple[int, int]:
         start = shard * self.cfg.samples_per_shard
         return start, min(start + self.cfg.samples_per_shard, self.n)
-
-    def pending_shards(self) -> list[int]:
-        """This writer's uncommitted shards, in order."""
-        return [k for k in self.only if k not in self.committed]
 
     def write_shard(
         self, shard: int, data: Mapping[str, Any], notes: Mapping[str, Any] | None = None
@@ -464,20 +475,6 @@ class StoreWriter:
         attrs.update(complete=True, counts=counts)
         self.group.attrs["vse"] = attrs
 
-    def _write_checksums(self) -> None:
-        """The checksum manifest: every file of the finalized store. Chunks keep the
-        checksums their commit markers recorded (so damage after a commit still shows);
-        the rest (metadata, keys, markers, extras) are checksummed now (CRC-32C)."""
-        markers = [json.loads(marker) for marker in self.commits[:]]
-        files = recorded_files(markers, self.group.attrs["vse"])
-        manifest = self.group.create_array(
-            CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
-        )
-        for rel, path in store_files(self.path):
-            if rel not in files and rel != CHECKSUMS_CHUNK:
-                files[rel] = file_checksum(path.read_bytes())
-        manifest[0] = checksums_text(files)
-
 
 class ShardWriter(StoreWriter):
     """One of several processes filling disjoint ``shards`` of a dense store concurrently.
@@ -517,9 +514,7 @@ class ShardWriter(StoreWriter):
                     "with one StoreWriter (the coordinator) first"
                 )
             self._lock_shards()
-            self._open_group()
-            markers = self.commits[:]  # read after locking: a shard done meanwhile is skipped
-            self.committed = {k for k, m in enumerate(markers) if m}
+            self._open_group()  # after locking: a shard done meanwhile is skipped
             # a killed writer's temporary files of our shards: swept by atomic_path
         except BaseException:
             self.close()
@@ -569,3 +564,18 @@ def check_own_shard(store, shard: int, only: list[int]) -> None:
             f"store {store}: shard {shard} is not one of this shard writer's shards {only}; "
             "another writer may be writing it"
         )
+
+
+def write_checksums(group, markers: Sequence[str], fs, root: str) -> None:
+    """The checksum manifest of the finalized store ``group`` (its files at ``root`` on
+    ``fs``), written last: a store with it is whole. Chunks keep the checksums their commit
+    ``markers`` recorded (so damage after a commit still shows); the rest (metadata, keys,
+    markers, extras) are checksummed now (CRC-32C)."""
+    files = recorded_files([json.loads(marker) for marker in markers], group.attrs["vse"])
+    manifest = group.create_array(
+        CHECKSUMS, shape=(1,), chunks=(1,), dtype=str, overwrite=True, **MANIFEST
+    )
+    for rel in store_files(fs, root):
+        if rel not in files and rel != CHECKSUMS_CHUNK:
+            files[rel] = file_checksum(fs.cat_file(f"{root}/{rel}"))
+    manifest[0] = checksums_text(files)

@@ -17,10 +17,14 @@ import time
 
 import numpy as np
 
-from features.store.spec import Provenance, StoreConfig, ragged_fields, regions_fields
+from features.store.spec import FieldSpec, Provenance, StoreConfig, regions_fields
 from features.store.writer import StoreWriter
 
 PROVENANCE = Provenance("crash-test", "1", {"seed": 0}, "w" * 8, "m" * 64)
+
+
+def ragged_fields(dim, name="features"):
+    return {name: FieldSpec((dim,), "float16", ragged=True)}
 
 
 def fields_for(kind):
