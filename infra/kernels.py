@@ -17,6 +17,13 @@ MKL                    ``MKL_CBWR``                  ``COMPATIBLE``: the one bra
 threads                ``OMP_NUM_THREADS``, ...      :data:`THREADS`
 =====================  ===========================  ===================================
 
+One kernel no variable pins: torch's float ``sqrt`` (and ``asin``, ``acos``, ``atan``) on
+CPU calls MKL's vector math, whose last bit differs between Intel and AMD CPUs under every
+``MKL_CBWR`` branch. The pipeline's code does not call them on tensors: its optimizers are
+:func:`adamw` (the fused kernel takes its square roots in torch's own vector code), and the
+detector's FPN level takes its square root in float64
+(:class:`features.detector.model.LevelMapper64`).
+
 ``VSE_CPU_THREADS`` sets another thread count (faster; last bits then differ from a run
 with another count); ``VSE_CPU_KERNELS=native`` leaves every choice to the machine
 (fastest; outputs agree with another machine's only within a tolerance, which ``vse store
@@ -63,3 +70,12 @@ def pin(environ: MutableMapping[str, str] | None = None, machine: str | None = N
     environ.update(dict.fromkeys(THREAD_VARIABLES, threads))
     if environ is os.environ and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+
+
+def adamw(params, lr: float, weight_decay: float):
+    """``torch.optim.AdamW`` (Loshchilov and Hutter 2019, Algorithm 2) with its fused kernel:
+    the for-each and per-tensor kernels take ``sqrt`` of the second moment through MKL's
+    vector math, which rounds the last bit differently on Intel and AMD CPUs."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)

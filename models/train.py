@@ -25,6 +25,7 @@ from torch import nn
 from infra.config import Section, UserError, one_line
 from infra.device import autocast, resolve_device
 from infra.files import save_torch, write_json
+from infra.kernels import adamw
 from infra.resume import read_checkpoint
 from infra.schedule import lr_factor
 from infra.trainer import Trainer
@@ -171,7 +172,7 @@ def train(
     model = build_model(name, model_config, train_data.info).to(device)
     if prepare_model is not None:
         prepare_model(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = adamw(model.parameters(), cfg.lr, cfg.weight_decay)
     last_path, best_path = out_dir / "last.pt", out_dir / "best.pt"
     saved = None
     if resume and last_path.exists():

@@ -3,10 +3,13 @@ thread counts (:mod:`infra.kernels`), so the stages whose outputs go through
 floating-point kernels, rerun by force in a copy of the reproduced demo under the kernel
 choices another machine would make, leave dvc.lock unchanged (byte-identical outputs)."""
 
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -45,6 +48,8 @@ ANOTHER_MACHINE = {
 }
 
 x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 kernel names")
+QEMU = shutil.which("qemu-x86_64")
+FINGERPRINT_JOB = Path(__file__).parent / "jobs" / "cpu_fingerprint_job.py"
 
 
 def output_hashes(project) -> dict[str, str]:
@@ -134,3 +139,31 @@ def test_a_bad_setting_is_one_line_naming_the_variable(name, value):
     with pytest.raises(UserError, match=f"^{name}='{value}': give ") as err:
         kernels.pin({name: value}, machine="x86_64")
     assert "\n" not in str(err.value)
+
+
+def fingerprint(*emulator: str) -> dict[str, str]:
+    """``tests/jobs/cpu_fingerprint_job.py``'s hashes, run on this CPU or under ``emulator``."""
+    env = {k: v for k, v in os.environ.items() if k not in (*ANOTHER_MACHINE, "VSE_CPU_KERNELS")}
+    out = subprocess.run(
+        [*emulator, sys.executable, str(FINGERPRINT_JOB)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@x86_only
+@pytest.mark.skipif(QEMU is None, reason="needs qemu-user (apt-get install qemu-user)")
+def test_training_steps_give_the_same_bytes_on_an_emulated_intel_cpu():
+    """Another CPU for real, not another choice of kernels on this one: qemu's Haswell
+    (GenuineIntel, AVX2 without AVX-512, other cache sizes, its own results for the
+    approximate instructions) runs the detector's and the five models' first steps with
+    the pinned kernels, and their weights are bit for bit this CPU's. The control, torch's
+    float32 ``sqrt`` (MKL's vector math), differs there: the emulated CPU does round some
+    kernels otherwise, and the trainers avoid them (:func:`infra.kernels.adamw`)."""
+    here = fingerprint()
+    there = fingerprint(QEMU, "-cpu", "Haswell-v4")
+    assert there.pop("control") != here.pop("control"), "the emulation rounds sqrt as this CPU"
+    assert there == here

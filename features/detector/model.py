@@ -41,7 +41,8 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.roi_heads import RoIHeads, fastrcnn_loss
-from torchvision.ops import MultiScaleRoIAlign
+from torchvision.ops import MultiScaleRoIAlign, box_area
+from torchvision.ops.poolers import LevelMapper, _setup_scales
 
 from features.detector.config import DetectorConfig
 
@@ -115,6 +116,34 @@ class PyramidLevels(nn.Module):
 
     def select(self, maps: OrderedDict[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
         return OrderedDict((k, v) for i, (k, v) in enumerate(maps.items()) if i < self.levels)
+
+
+class LevelMapper64(LevelMapper):
+    """torchvision's FPN level of each RoI (Lin et al. 2017, eq. 1: ``floor(4 + log2(sqrt(wh)
+    / 224))``) with the square root taken in float64 and rounded to float32: torch's float32
+    ``sqrt`` on CPU rounds the last bit differently on Intel and AMD CPUs, and a box whose
+    level flips changes every later step. The same levels as torchvision's but for those
+    last bits."""
+
+    def __call__(self, boxlists: list[torch.Tensor]) -> torch.Tensor:
+        area = torch.cat([box_area(b) for b in boxlists])
+        s = area.double().sqrt().to(area.dtype)
+        eps = torch.tensor(self.eps, dtype=s.dtype)
+        levels = torch.floor(self.lvl0 + torch.log2(s / self.s0) + eps)
+        return (levels.clamp(self.k_min, self.k_max).to(torch.int64) - self.k_min).to(torch.int64)
+
+
+class PyramidRoIAlign(MultiScaleRoIAlign):
+    """torchvision's multi-level RoIAlign, its levels assigned by :class:`LevelMapper64`."""
+
+    def forward(self, x, boxes, image_shapes):
+        if self.map_levels is None:
+            features = [x[name] for name in self.featmap_names]
+            self.scales, mapper = _setup_scales(
+                features, image_shapes, self.canonical_scale, self.canonical_level
+            )
+            self.map_levels = LevelMapper64(mapper.k_min, mapper.k_max, mapper.s0, mapper.lvl0)
+        return super().forward(x, boxes, image_shapes)
 
 
 def backbone_with_conv5(model: nn.Module, x: torch.Tensor):
@@ -237,7 +266,10 @@ def build_detector_model(
         from torchvision.models import detection
 
         build = getattr(detection, f"fasterrcnn_{arch}")
-        model = build(weights=None, weights_backbone=None, num_classes=num_classes, **rpn)
+        pool = PyramidRoIAlign(["0", "1", "2", "3"], 7, sampling_ratio=2)  # torchvision's
+        model = build(
+            weights=None, weights_backbone=None, num_classes=num_classes, box_roi_pool=pool, **rpn
+        )
     else:
         if cfg.is_c4:
             # stem..res4 (stride 16) under ``backbone.body``, as torchvision names it
@@ -258,7 +290,7 @@ def build_detector_model(
             backbone = PyramidLevels(fpn, levels)
             dim = cfg.representation_size
             head = TwoMLPHead(cfg.fpn_channels * 7 * 7, dim)
-            pool = MultiScaleRoIAlign([str(k) for k in range(levels)], 7, sampling_ratio=2)
+            pool = PyramidRoIAlign([str(k) for k in range(levels)], 7, sampling_ratio=2)
             per_level = len(cfg.anchors()) // levels
             sizes = tuple(
                 tuple(cfg.anchors()[k * per_level : (k + 1) * per_level]) for k in range(levels)

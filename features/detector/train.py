@@ -48,6 +48,7 @@ from features.detector.weights import (
 from infra.config import UserError
 from infra.device import resolve_device
 from infra.files import save_torch
+from infra.kernels import adamw
 from infra.schedule import lr_factor
 from infra.trainer import Trainer
 
@@ -177,7 +178,7 @@ def _train(dataset, images_root, cfg, out_dir, device, resume, log, progress) ->
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
     else:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = adamw(params, cfg.lr, cfg.weight_decay)
     steps_per_epoch = len(train_images) // cfg.batch_size
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra.config import UserError
+from infra.kernels import adamw
 from infra.trainer import Trainer
 
 LAST = "last.pt"
@@ -199,7 +200,7 @@ def train_head(
     model.mean.copy_(torch.from_numpy(mean))
     model.std.copy_(torch.from_numpy(std).clamp_min(1e-6))
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = adamw(model.parameters(), cfg.lr, cfg.weight_decay)
     steps = cfg.epochs * -(-len(rows) // cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
     trainer = Trainer(
