@@ -12,9 +12,14 @@ bytes, first 12 hex digits):
   convolutions then run as im2col and MKL's sgemm): each kind of a ResNet's
   convolutions alone, its forward pass and both gradients hashed apart, so that a
   difference names the kernel; and ``resnet18_step``, one whole training step;
-- ``conv1d_dilated`` (CAMERA's text convolutions), with oneDNN on and off.
+- ``conv1d_dilated`` (CAMERA's text convolutions), with oneDNN on and off;
+- ``torch_sqrt``: torch's float32 ``sqrt``, which goes to MKL's vector math (its last bit
+  follows the CPU under every ``MKL_CBWR`` branch; the pipeline does not call it), and
+  ``adamw``: two AdamW steps with torch's for-each kernel (which takes that ``sqrt``) and
+  with the fused one the trainers use (:func:`infra.kernels.adamw`).
 
-Run it on two machines and compare the JSONs: an operation whose hashes differ does not
+Run it on two machines (or under ``qemu-x86_64 -cpu Haswell-v4``, an emulated Intel CPU;
+``--label`` names it in the JSON) and compare the JSONs: an operation whose hashes differ does not
 reproduce across those CPUs under the pinned kernels. The committed results
 (``benchmarks/results/kernels/``) name their CPU.
 
@@ -134,12 +139,24 @@ def conv1d(onednn: bool) -> str:
     return digest(y, x.grad, conv.weight.grad)
 
 
-def fingerprint() -> dict:
+def adamw(fused: bool) -> str:
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 3, 7, 7, generator=g) * 0.1)
+    optimizer = torch.optim.AdamW([p], lr=1e-3, weight_decay=1e-4, fused=fused, foreach=not fused)
+    for _ in range(2):
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+        optimizer.step()
+    return digest(p)
+
+
+def fingerprint(label: str | None) -> dict:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((300, 700)), rng.standard_normal((700, 500))
     sym = a[:, :300].T @ a[:, :300]
     return {
         "cpu": cpu(),
+        "label": label,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "numpy": np.__version__,
         "threads": torch.get_num_threads(),
@@ -153,6 +170,9 @@ def fingerprint() -> dict:
             "resnet18_step[no onednn]": resnet_step(False),
             "conv1d_dilated[onednn]": conv1d(True),
             "conv1d_dilated[no onednn]": conv1d(False),
+            "torch_sqrt": digest(torch.linspace(1e-3, 7.0, 4099).sqrt()),
+            "adamw[for-each]": adamw(fused=False),
+            "adamw[fused]": adamw(fused=True),
         },
     }
 
@@ -160,8 +180,9 @@ def fingerprint() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--label", help="what runs it, where /proc/cpuinfo cannot tell (qemu)")
     args = parser.parse_args()
-    result = fingerprint()
+    result = fingerprint(args.label)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
