@@ -14,6 +14,11 @@ torch's vector code    ``ATEN_CPU_CAPABILITY``       ``avx2``
 oneDNN                 ``ONEDNN_MAX_CPU_ISA``        ``AVX2``
 MKL                    ``MKL_CBWR``                  ``COMPATIBLE``: the one branch MKL
                                                      keeps the same on Intel and AMD
+numpy's vector code    ``NPY_ENABLE_CPU_FEATURES``   ``X86_V3`` (AVX2 and FMA; its
+                                                     AVX-512 loops of ``exp``, ``log``,
+                                                     ``power``... round otherwise), on a
+                                                     CPU that has them: numpy refuses
+                                                     to load with a feature it lacks
 threads                ``OMP_NUM_THREADS``, ...      :data:`THREADS`
 =====================  ===========================  ===================================
 
@@ -36,6 +41,7 @@ import os
 import platform
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 
 from infra.config import UserError
 
@@ -49,13 +55,31 @@ X86_KERNELS = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_CBWR": "COMPATIBLE",
 }
+NUMPY_KERNELS = {"NPY_ENABLE_CPU_FEATURES": "X86_V3"}
+# what numpy's X86_V3 needs, as /proc/cpuinfo names it (abm: LZCNT)
+X86_V3_FLAGS = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def pin(environ: MutableMapping[str, str] | None = None, machine: str | None = None) -> None:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    lines = (line.split(":", 1) for line in text.splitlines() if line.startswith("flags"))
+    return next((set(value.split()) for _, value in lines), set())
+
+
+def pin(
+    environ: MutableMapping[str, str] | None = None,
+    machine: str | None = None,
+    flags: set[str] | None = None,
+) -> None:
     """Set the kernel and thread variables above in ``environ`` (default: this process's
     environment, before numpy or torch loads: the libraries read them once, when they
-    load). A torch already loaded gets the thread count at least."""
+    load); numpy's where ``flags`` (default: this CPU's) hold X86_V3. A torch already
+    loaded gets the thread count at least."""
     environ = os.environ if environ is None else environ
     mode = environ.get(KERNELS_VARIABLE, "pinned").strip().lower() or "pinned"
     if mode not in ("pinned", "native"):
@@ -67,6 +91,8 @@ def pin(environ: MutableMapping[str, str] | None = None, machine: str | None = N
         raise UserError(f"{THREADS_VARIABLE}={threads!r}: give a whole number of threads, >= 1")
     if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
         environ.update(X86_KERNELS)
+        if X86_V3_FLAGS <= (cpu_flags() if flags is None else flags):
+            environ.update(NUMPY_KERNELS)
     environ.update(dict.fromkeys(THREAD_VARIABLES, threads))
     if environ is os.environ and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))

@@ -82,32 +82,44 @@ def test_stages_give_the_same_bytes_under_another_machines_kernels(
 @x86_only
 def test_a_vse_process_runs_the_pinned_kernels_whatever_the_machine_asks():
     """In the process ``vse`` runs a command in, torch reports AVX2 kernels and two
-    threads, and OpenBLAS its Haswell kernels, though the environment asked for others."""
+    threads, OpenBLAS its Haswell kernels and numpy its X86_V3 (AVX2) loops only, though
+    the environment asked for others."""
     probe = (
         "from infra import kernels; kernels.pin(); "
         "import numpy, torch, threadpoolctl; "
         "blas = [i for i in threadpoolctl.threadpool_info() if i['internal_api'] == 'openblas']; "
+        "from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__; "
         "print(torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), "
-        "blas[0]['architecture'], blas[0]['num_threads'])"
+        "blas[0]['architecture'], blas[0]['num_threads'], "
+        "*[f for f in __cpu_dispatch__ if __cpu_features__[f]])"
     )
     env = {**os.environ, **ANOTHER_MACHINE, "ATEN_CPU_CAPABILITY": "avx512"}
+    env["NPY_ENABLE_CPU_FEATURES"] = "X86_V3 X86_V4"
     env.pop(kernels.THREADS_VARIABLE, None)
     env.pop(kernels.KERNELS_VARIABLE, None)
     out = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["AVX2", "2", "Haswell", "2"]
+    assert out.stdout.split() == ["AVX2", "2", "Haswell", "2", "X86_V3"]
 
 
 def test_pin_sets_each_library_and_the_thread_count():
     env = {"OPENBLAS_CORETYPE": "Prescott", "OMP_NUM_THREADS": "16"}
-    kernels.pin(env, machine="x86_64")
+    kernels.pin(env, machine="x86_64", flags=kernels.X86_V3_FLAGS | {"avx512f"})
     assert env == {
         **kernels.X86_KERNELS,
+        "NPY_ENABLE_CPU_FEATURES": "X86_V3",
         "OMP_NUM_THREADS": "2",
         "MKL_NUM_THREADS": "2",
         "OPENBLAS_NUM_THREADS": "2",
     }
+
+
+def test_numpy_is_not_pinned_to_features_the_cpu_lacks():
+    """numpy refuses to load when told to enable a feature the CPU lacks (no AVX2 here)."""
+    env = {}
+    kernels.pin(env, machine="x86_64", flags={"sse4_2", "avx"})
+    assert "NPY_ENABLE_CPU_FEATURES" not in env and env["OPENBLAS_CORETYPE"] == "Haswell"
 
 
 def test_pin_takes_another_thread_count_and_leaves_other_cpus_kernels():
@@ -159,8 +171,9 @@ def fingerprint(*emulator: str) -> dict[str, str]:
 def test_training_steps_give_the_same_bytes_on_an_emulated_intel_cpu():
     """Another CPU for real, not another choice of kernels on this one: qemu's Haswell
     (GenuineIntel, AVX2 without AVX-512, other cache sizes, its own results for the
-    approximate instructions) runs the detector's and the five models' first steps with
-    the pinned kernels, and their weights are bit for bit this CPU's. The control, torch's
+    approximate instructions) runs the detector's and the five models' first steps and
+    numpy's transcendental loops with the pinned kernels, and their results are bit for
+    bit this CPU's. The control, torch's
     float32 ``sqrt`` (MKL's vector math), differs there: the emulated CPU does round some
     kernels otherwise, and the trainers avoid them (:func:`infra.kernels.adamw`)."""
     here = fingerprint()

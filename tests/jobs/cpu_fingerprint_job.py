@@ -1,7 +1,8 @@
 """Hashes of a few training steps of the pipeline's trainers, for comparing two CPUs.
 
 Prints one JSON object: ``control`` (torch's float32 ``sqrt`` of fixed inputs: MKL's vector
-math, which rounds the last bit by the CPU; the pipeline never calls it) and, after two
+math, which rounds the last bit by the CPU; the pipeline never calls it), ``numpy`` (its
+``exp``, ``log``, ``power``... in float32 and float64, under the pinned loops) and, after two
 optimizer steps on fixed synthetic data, the parameters of the demo-shaped detector (a
 ResNet-18 FPN at 128 px, so RoIs fall on two pyramid levels) and of each of the five
 retrieval models. ``tests/test_kernels.py`` runs it here and under an emulated CPU.
@@ -101,9 +102,18 @@ def retrieval(name: str) -> str:
     return steps(model, loss)
 
 
+def numpy_loops() -> str:
+    """numpy's float32 and float64 loops whose AVX-512 code rounds otherwise than AVX2's."""
+    x = np.linspace(0.01, 7.0, 4099)
+    out = []
+    for a in (x, x.astype(np.float32)):
+        out += [np.exp(a), np.log(a), np.power(a, a.dtype.type(1.7)), np.log1p(a), np.arctan(a)]
+    return digest(torch.from_numpy(a) for a in out)
+
+
 def main() -> None:
     x = torch.linspace(1e-3, 7.0, 4099)
-    out = {"control": digest([x.sqrt()]), "detector": detector()}
+    out = {"control": digest([x.sqrt()]), "numpy": numpy_loops(), "detector": detector()}
     out.update({name: retrieval(name) for name in SMALL})
     print(json.dumps(out))
 
