@@ -130,7 +130,7 @@ class LevelMapper64(LevelMapper):
         s = area.double().sqrt().to(area.dtype)
         eps = torch.tensor(self.eps, dtype=s.dtype)
         levels = torch.floor(self.lvl0 + torch.log2(s / self.s0) + eps)
-        return (levels.clamp(self.k_min, self.k_max).to(torch.int64) - self.k_min).to(torch.int64)
+        return levels.clamp(self.k_min, self.k_max).to(torch.int64) - self.k_min
 
 
 class PyramidRoIAlign(MultiScaleRoIAlign):
