@@ -117,12 +117,18 @@ def plain(value):
     return value
 
 
-def ignore_stop_signals(*_args) -> None:
-    """In a data-loading worker process: ignore SIGTERM and SIGINT, which a queue or Ctrl-C
-    sends to the whole process group; the trainer handles them (:class:`StepCheckpoints`)
-    and ends its workers itself. (A ``worker_init_fn``: its arguments are ignored.)"""
+def init_worker(*_args) -> None:
+    """The start of a data-loading worker process (a ``worker_init_fn``: its arguments are
+    ignored). It ignores SIGTERM and SIGINT, which a queue or Ctrl-C sends to the whole
+    process group: the trainer handles them (:class:`StepCheckpoints`) and ends its workers
+    itself. And it drops the thread-exit hooks a forked worker inherits from its parent,
+    whose threads it does not have: Prefect's services register one each, which raises
+    when run in the worker at its exit, and multiprocessing then ends the worker with
+    status 1 and no message (torch: "DataLoader worker exited unexpectedly") at the end of
+    every epoch of a process that has run a flow."""
     for sig in StepCheckpoints.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    getattr(threading, "_threading_atexits", []).clear()
 
 
 def snapshot(value, memo: dict | None = None):

@@ -13,7 +13,7 @@ from features.decode import BadImage, load_image
 from features.detector.config import DetectorConfig
 from features.detector.data import DetectionImage
 from features.detector.inputs import resize_for_detection
-from infra.resume import ignore_stop_signals
+from infra.resume import init_worker
 
 
 def attribute_targets(attributes: list[list[str]], names: list[str]) -> torch.Tensor:
@@ -92,13 +92,12 @@ def epoch_jobs(n: int, cfg: DetectorConfig, epoch: int) -> list[list[tuple[int, 
 def make_loader(items: DetectionItems, batches, cfg: DetectorConfig, seed: int) -> DataLoader:
     """``batches`` (lists of jobs) of ``items``, read by ``cfg.num_workers`` processes.
     The workers' seeds come from ``seed``, not torch's global generator (which the
-    detector's samplers draw from); they ignore SIGTERM and SIGINT (sent to the process
-    group by a queue or Ctrl-C), which the trainer handles (:mod:`infra.resume`)."""
+    detector's samplers draw from); they start with :func:`infra.resume.init_worker`."""
     return DataLoader(
         items,
         batch_sampler=batches,
         num_workers=cfg.num_workers,
         collate_fn=list,  # images differ in size: the model batches them
         generator=torch.Generator().manual_seed(seed),
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=init_worker,
     )

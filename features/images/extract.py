@@ -41,6 +41,7 @@ from features.store.writer import ShardWriter, StoreWriter
 from infra.device import resolve_device
 from infra.files import is_url
 from infra.finite import NON_FINITE, nonfinite_fields
+from infra.resume import init_worker
 
 
 class ImageItems(Dataset):
@@ -173,6 +174,7 @@ def extract_images(
             num_workers=cfg.num_workers,
             collate_fn=list,  # images differ in size: the model batches them
             pin_memory=extractor.device.type == "cuda",
+            worker_init_fn=init_worker,
         )
         bar = progress(total=len(order)) if progress else None
         batches = iter(loader)

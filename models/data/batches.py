@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from infra.config import UserError
-from infra.resume import ignore_stop_signals
+from infra.resume import init_worker
 from models.data.arena import Arena, from_layout
 from models.data.arrays import as_tensors, finish, to_device
 from models.data.staging import staged_on_cuda
@@ -111,7 +111,7 @@ class _Builder:
 def _worker(source, conn, worker: int, n_workers: int, stats, finish_here: bool) -> None:
     """A worker process: builds the batches it is asked for into its arenas (one per
     slot) and answers with their layout (and an arena's new buffer when it grew)."""
-    ignore_stop_signals()  # a signal to the process group is the trainer's to handle
+    init_worker()
     torch.set_num_threads(1)
     arenas: dict[int, Arena] = {}
     builder = _Builder(source, worker, n_workers, stats, finish_here)
