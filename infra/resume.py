@@ -4,6 +4,7 @@ run writes it mid-epoch (:class:`StepCheckpoints`)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -121,14 +122,19 @@ def init_worker(*_args) -> None:
     """The start of a data-loading worker process (a ``worker_init_fn``: its arguments are
     ignored). It ignores SIGTERM and SIGINT, which a queue or Ctrl-C sends to the whole
     process group: the trainer handles them (:class:`StepCheckpoints`) and ends its workers
-    itself. And it drops the thread-exit hooks a forked worker inherits from its parent,
-    whose threads it does not have: Prefect's services register one each, which raises
-    when run in the worker at its exit, and multiprocessing then ends the worker with
-    status 1 and no message (torch: "DataLoader worker exited unexpectedly") at the end of
-    every epoch of a process that has run a flow."""
+    itself.
+
+    And it drops the thread-exit hooks that objects of the parent registered (a forked
+    worker inherits them, not their threads). Prefect's services register one each: run
+    at the worker's exit, it raises, and multiprocessing then ends the worker with status
+    1 and no message (torch: "DataLoader worker exited unexpectedly") at the end of every
+    epoch of a process that has run a flow; anyio's would unregister the parent's sockets
+    from the epoll instance the two processes share. A module's hook is kept:
+    ``concurrent.futures`` stops the worker's own thread pools with it."""
     for sig in StepCheckpoints.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    getattr(threading, "_threading_atexits", []).clear()
+    hooks = getattr(threading, "_threading_atexits", [])
+    hooks[:] = [h for h in hooks if not inspect.ismethod(getattr(h, "func", h))]
 
 
 def snapshot(value, memo: dict | None = None):

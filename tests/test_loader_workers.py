@@ -5,7 +5,13 @@ and no message when its epoch ends, and torch stops the run ("DataLoader worker 
 unexpectedly with exit code 1"); with it, the detector's loader and the image extraction
 run as they do in a process without Prefect."""
 
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+import psutil
 import pytest
 import torch
 from detector_data import TINY
@@ -59,6 +65,39 @@ def test_the_detectors_workers_end_their_epochs_after_prefect_ran(monkeypatch):
     monkeypatch.setattr(features.detector.loader, "init_worker", lambda *_: None)
     with pytest.raises(RuntimeError, match="exited unexpectedly with exit code 1"):
         two_epochs(cfg, batches)
+
+
+POOL = None
+
+
+class Pooled(torch.utils.data.Dataset):
+    """Each job runs on a thread pool the worker keeps open (as zarr keeps its own); an item
+    is the worker's pid and the names of the thread-exit hooks it holds."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, job):
+        global POOL
+        POOL = POOL or ThreadPoolExecutor(1)
+        POOL.submit(int).result()
+        hooks = [getattr(h, "func", h).__qualname__ for h in threading._threading_atexits]
+        return os.getpid(), hooks
+
+
+@pytest.mark.usefixtures("prefect_service")
+def test_a_worker_keeps_the_hook_that_stops_its_own_thread_pools():
+    cfg = TINY.model_copy(update={"num_workers": 2})
+    batches = list(make_loader(Pooled(), [[(i, False)] for i in range(4)], cfg, seed=0))
+    pids = {pid for batch in batches for pid, _ in batch}
+    hooks = {name for batch in batches for _, names in batch for name in names}
+    # without concurrent.futures' hook, a worker's pool thread would keep it from exiting,
+    # and it ignores the SIGTERM that torch sends a worker which does not end
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []
+    assert "_python_exit" in hooks and "_QueueServiceBase._at_exit" not in hooks
 
 
 @pytest.mark.usefixtures("prefect_service")
