@@ -419,7 +419,7 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
     in_range = [r for r in runs if FIT_RANGE[0] <= r["images"] <= FIT_RANGE[1]]
     fitted = in_range if len({r["images"] for r in in_range}) >= 2 else runs
 
-    fig, ax = plt.subplots(figsize=(10, 7))
+    fig, ax = plt.subplots(figsize=(12, 7))
     colours = plt.get_cmap("tab20")
     fits = {}
     for i, name in enumerate([*runs[-1]["stages"], "dag"]):
@@ -446,11 +446,12 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="images (N)", ylabel="CPU seconds")
     epochs = runs[-1]["params_changed"].get("train.epochs")
     ax.set_title(
-        "Each stage's CPU seconds (dvc repro --single-item) against N (k: fitted exponent)"
+        "Each stage's CPU seconds (dvc repro --single-item) against N\n"
+        f"(k: exponent fitted on N = {', '.join(format(r['images'], ',') for r in fitted)})"
         + (f"\ntraining stages at {epochs[1]} epoch(s) each" if epochs else "")
     )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines
     fig.tight_layout()
     out_plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_plot, dpi=120)
