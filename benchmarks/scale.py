@@ -76,6 +76,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale"
 COCO_IMAGES = 123_287
 WEB_IMAGES = 3_000_000  # a web-sized set (e.g. Conceptual Captions' 3.3M)
+SPREAD = ("grid", "regions")  # the stages a Dask cluster spreads over machines
+MACHINES = (1, 4, 16)
 FIT_RANGE = (5_000, 40_000)  # the runs the targets' exponents are fitted on, when present
 TARGETS = {
     "max_time_exponent": 1.1,
@@ -484,6 +486,7 @@ def plot(paths: list[Path], out_plot: Path, summary_path: Path) -> None:
         "projected_to_images": COCO_IMAGES,
         "stages": fits,
         "linear": linear,
+        "machines": machine_hours(runs[-1], linear),
         "targets": TARGETS,
         "met": met,  # null: no run at that size yet
     }
@@ -524,6 +527,29 @@ def docs_table(runs: list[dict], fits: dict, linear: dict | None) -> dict:
         own = sum(row.get("coco_cpu_h_own_epochs", 0.0) for row in stages)
         table["dag"]["coco_cpu_h_own_epochs"] = round(own, 2)
     return table
+
+
+def machine_hours(run: dict, linear: dict | None) -> dict | None:
+    """Wall hours of the whole DAG at COCO's and a web set's size, every stage at its own
+    epochs, on M machines like this one: the image stages (``SPREAD``, which a Dask
+    cluster spreads) divided by M, every other stage on one machine. ``*_published``: with
+    the published bottom-up-attention weights instead of the ``detector`` stage. From the
+    linear projection of each stage's wall seconds; None with fewer than two sizes."""
+    if not linear:
+        return None
+    out = {}
+    for tag, images, key in (("coco", COCO_IMAGES, "coco"), ("web", WEB_IMAGES, "3m")):
+        hours = {
+            name: row[f"s_at_{key}_h"] * epoch_factor(run, name)
+            for name, row in linear.items()
+            if name not in ("dag", "between_images")
+        }
+        for skip, label in (((), tag), (("detector",), f"{tag}_published")):
+            spread = sum(h for name, h in hours.items() if name in SPREAD)
+            rest = sum(h for name, h in hours.items() if name not in (*SPREAD, *skip))
+            row = {"images": images, "spread_h": round(spread, 1), "other_h": round(rest, 1)}
+            out[label] = row | {f"on_{m}": round(spread / m + rest, 1) for m in MACHINES}
+    return out
 
 
 def epoch_factor(run: dict, stage: str) -> float:
