@@ -1,12 +1,10 @@
 """The tiny detector and the 12/4/2 demo at 64px that the detector's tests train on
 (seconds on a CPU)."""
 
-from features.demo import DemoConfig, build_dataset
+from demo_data import demo_manifest
+
 from features.detector.config import DetectorConfig
 from features.detector.data import read_manifest_boxes
-from features.ingest.manifest import read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
 
 TINY = DetectorConfig(
     architecture="resnet18_fpn",
@@ -38,9 +36,5 @@ QUIET = {"log": lambda m: None}
 
 def make_demo(root):
     """A 12/4/2 demo at 64px in ``root``: its manifest and detection dataset."""
-    build_dataset(DemoConfig(n_train=12, n_val=4, n_test=2, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    manifest = read_manifest(root / "manifest.parquet")
+    manifest = demo_manifest(root, n_train=12, n_val=4, n_test=2, image_size=64)
     return manifest, read_manifest_boxes(manifest, TINY)

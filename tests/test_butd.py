@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from butd_data import butd_state, photo_set, to_milvlg, write_pkl
+from demo_data import demo_manifest
 from make_butd_golden import (
     CHECKPOINTS,
     CONFIG,
@@ -322,21 +323,13 @@ def test_extracted_store_exports_as_obj36_rows(tmp_path):
     import base64
     import csv
 
-    from features.demo import DemoConfig, build_dataset
     from features.exchange.butd_tsv import export_obj36
     from features.images.extract import extract_images
-    from features.ingest.manifest import read_manifest, write_manifest
-    from features.ingest.readers import READERS, PrepareConfig
-    from features.ingest.validate import validate
     from features.store.reader import Store
     from features.store.spec import StoreConfig
 
     root = tmp_path / "demo"
-    build_dataset(DemoConfig(n_train=2, n_val=1, n_test=1, image_size=96), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    manifest = read_manifest(root / "manifest.parquet")
+    manifest = demo_manifest(root, n_train=2, n_val=1, n_test=1, image_size=96)
     cfg = RegionsConfig(
         weights=save(butd_state(), tmp_path / "w.pth"),
         min_side=96,

@@ -15,14 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from demo_data import demo_manifest
 
-from features.demo import DemoConfig, build_dataset
 from features.images.config import GridConfig
 from features.images.extract import extract_images
 from features.images.grid import GridExtractor, build_trunk
-from features.ingest.manifest import read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
+from features.ingest.manifest import read_manifest
 from features.store.layout import incomplete_path
 from features.store.reader import Store
 from features.store.spec import StoreConfig, StoreError
@@ -164,10 +162,7 @@ def cluster(harness):
 def demo(tmp_path_factory):
     """A 12/4/4 demo dataset at 64px and its manifest: 20 images, 5 shards of 4."""
     root = tmp_path_factory.mktemp("demo")
-    build_dataset(DemoConfig(n_train=12, n_val=4, n_test=4, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
+    demo_manifest(root, n_train=12, n_val=4, n_test=4, image_size=64)
     return root
 
 

@@ -8,14 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from demo_data import demo_manifest
 
-from features.demo import DemoConfig, build_dataset
 from features.images.config import GridConfig, RegionsConfig
 from features.images.extract import extract_images
 from features.images.report import report_bad_images
-from features.ingest.manifest import IngestError, read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
+from features.ingest.manifest import IngestError
 from features.store.layout import incomplete_path
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreConfig
@@ -26,11 +24,7 @@ LAYOUT = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
-    build_dataset(DemoConfig(n_train=6, n_val=2, n_test=2, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    return root, read_manifest(root / "manifest.parquet")
+    return root, demo_manifest(root, n_train=6, n_val=2, n_test=2, image_size=64)
 
 
 class AllNaN:

@@ -14,17 +14,14 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from demo_data import demo_manifest
 from detector_data import TINY
 
 import features.detector.loader
-from features.demo import DemoConfig, build_dataset
 from features.detector.loader import make_loader
 from features.images.config import GridConfig
 from features.images.extract import extract_images
 from features.images.grid import GridExtractor, build_trunk
-from features.ingest.manifest import read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
 from features.store.reader import Store
 from features.store.spec import StoreConfig
 
@@ -103,11 +100,7 @@ def test_a_worker_keeps_the_hook_that_stops_its_own_thread_pools():
 @pytest.mark.usefixtures("prefect_service")
 def test_image_extraction_on_workers_after_prefect_ran_equals_one_process(tmp_path):
     root = tmp_path / "demo"
-    build_dataset(DemoConfig(n_train=6, n_val=1, n_test=1, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    manifest = read_manifest(root / "manifest.parquet")
+    manifest = demo_manifest(root, n_train=6, n_val=1, n_test=1, image_size=64)
     layout = StoreConfig(samples_per_shard=4, samples_per_chunk=2)
     stores = {}
     for workers in (0, 2):

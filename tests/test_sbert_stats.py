@@ -4,11 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from demo_data import demo_manifest
 
-from features.demo import DemoConfig, build_dataset
 from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
 from features.text.models import TextModelError, model_digest, resolve_model
 from features.text.sbert_stats import (
     SbertConfig,
@@ -168,11 +166,7 @@ def test_caption_statistics_of_known_captions(tmp_path):
 
 
 def test_statistics_per_split_with_extremes(tmp_path):
-    build_dataset(DemoConfig(n_train=6, n_val=3, n_test=3), tmp_path)
-    dataset = READERS["demo"](tmp_path / "dataset.json", tmp_path / "images", PrepareConfig())
-    records, _ = validate(dataset, tmp_path / "images", 5)
-    write_manifest(records, dataset, 5, tmp_path / "m.parquet")
-    manifest = read_manifest(tmp_path / "m.parquet")
+    manifest = demo_manifest(tmp_path, n_train=6, n_val=3, n_test=3)
     rng = np.random.default_rng(0)
 
     def embed(captions):
@@ -189,10 +183,7 @@ def test_statistics_per_split_with_extremes(tmp_path):
 
 
 def test_cli_writes_metrics_plot_and_examples(tmp_path, repo_root):
-    build_dataset(DemoConfig(n_train=4, n_val=2, n_test=2), tmp_path)
-    dataset = READERS["demo"](tmp_path / "dataset.json", tmp_path / "images", PrepareConfig())
-    records, _ = validate(dataset, tmp_path / "images", 5)
-    write_manifest(records, dataset, 5, tmp_path / "m.parquet")
+    demo_manifest(tmp_path, n_train=4, n_val=2, n_test=2)
     out = tmp_path / "out"
     args = [
         "--params",
@@ -200,7 +191,7 @@ def test_cli_writes_metrics_plot_and_examples(tmp_path, repo_root):
         "stats",
         "sbert",
         "--manifest",
-        str(tmp_path / "m.parquet"),
+        str(tmp_path / "manifest.parquet"),
         "--metrics",
         str(out / "m.json"),
         "--histogram",

@@ -6,12 +6,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from demo_data import demo_manifest
 from transformers import AutoTokenizer, BertConfig, BertModel
 
-from features.demo import DemoConfig, build_dataset
-from features.ingest.manifest import read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
 from features.store.reader import Store
 from features.store.spec import StoreConfig
 from features.text.models import resolve_model
@@ -84,11 +81,7 @@ def test_long_texts_keep_their_most_salient_words(encoder):
 
 
 def test_extract_text_store(encoder, tmp_path):
-    build_dataset(DemoConfig(n_train=6, n_val=2, n_test=2), tmp_path)
-    dataset = READERS["demo"](tmp_path / "dataset.json", tmp_path / "images", PrepareConfig())
-    records, _ = validate(dataset, tmp_path / "images", 5)
-    write_manifest(records, dataset, 5, tmp_path / "m.parquet")
-    manifest = read_manifest(tmp_path / "m.parquet")
+    manifest = demo_manifest(tmp_path, n_train=6, n_val=2, n_test=2)
     cfg = TextConfig(word_min_count=1, batch_size=7)
     vocab = extract_text(
         manifest,

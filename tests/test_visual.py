@@ -15,10 +15,10 @@ import pytest
 import torch
 import torchvision
 import yaml
+from demo_data import demo_manifest
 from PIL import Image
 from torchvision.ops import batched_nms, box_iou, nms, roi_align
 
-from features.demo import DemoConfig, build_dataset
 from features.detector.inputs import to_tensor
 from features.images.config import GridConfig, RegionsConfig
 from features.images.extract import extract_images
@@ -28,8 +28,6 @@ from features.images.regions import RegionExtractor, build_detector
 from features.images.report import region_recall, report_bad_images
 from features.images.select import _max_conf_from, butd_select
 from features.ingest.manifest import Dataset, Record, read_manifest, write_manifest
-from features.ingest.readers import READERS, PrepareConfig
-from features.ingest.validate import validate
 from features.store.layout import incomplete_path
 from features.store.reader import Store
 from features.store.spec import FieldSpec, StoreConfig
@@ -46,11 +44,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM initialisation")
 def demo(tmp_path_factory):
     """A 10/3/3 demo dataset at 64px and its manifest."""
     root = tmp_path_factory.mktemp("demo")
-    build_dataset(DemoConfig(n_train=10, n_val=3, n_test=3, image_size=64), root)
-    dataset = READERS["demo"](root / "dataset.json", root / "images", PrepareConfig())
-    records, _ = validate(dataset, root / "images", 5)
-    write_manifest(records, dataset, 5, root / "manifest.parquet")
-    return root, read_manifest(root / "manifest.parquet")
+    return root, demo_manifest(root, n_train=10, n_val=3, n_test=3, image_size=64)
 
 
 def given_cfg(**kw):
