@@ -143,6 +143,59 @@ def test_not_a_karpathy_file_is_a_clear_error(tmp_path):
         READERS["karpathy"](bad, tmp_path, PrepareConfig())
 
 
+DOCUMENTS = [  # read as json.loads reads them, images aside
+    '{"images": [{"filename": "a.jpg"}, {"filename": "b.jpg"}], "dataset": "coco"}',
+    ' \n{ "dataset" : "f30k" ,\r\n\t"images" : [ ] , "class_names": ["x", "y"] } \n',
+    '{"images": [{"sentences": [{"raw": "a ] , } [ { \\" quote \\u00e9"}]}, 3, null, "s"]}',
+    '{"images": {"filename": "a.jpg"}}',  # not a list
+    '{"dataset": "coco"}',
+    "{}",
+    "[1, 2]",
+    '"images"',
+    '{"images": [1, 2], "images2": [3]}',
+    '{"images": [NaN, -Infinity, 1e400]}',
+]
+MALFORMED = [
+    "",
+    "{oops",
+    '{"images": [1, 2}',
+    '{"images": [1, 2],}',
+    '{"images": [1, 2,]}',
+    '{"images": [1 2]}',
+    '{"images" [1]}',
+    "{images: [1]}",
+    '{"images": [1]} x',
+    '{"images": [1]',
+    '{"images": [{"a": 1}], "dataset": "coco"',
+    '{"images": [1], "x": }',
+    '{"images": ["\x01"]}',  # a control character in a string
+]
+
+
+@pytest.mark.parametrize("text", DOCUMENTS)
+def test_karpathy_images_are_decoded_one_at_a_time_as_json_loads_would(text):
+    from features.ingest.readers import _scan_object
+
+    items = []
+    members = _scan_object(text, "images", items.append)
+    whole = json.loads(text)
+    if isinstance(whole, dict) and isinstance(whole.get("images"), list):
+        assert items == whole.pop("images")
+        assert members == whole
+    else:
+        assert members is None
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_malformed_karpathy_json_fails_as_json_loads_does(text):
+    from features.ingest.readers import _scan_object
+
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    with pytest.raises(json.JSONDecodeError):
+        _scan_object(text, "images", lambda item: None)
+
+
 @pytest.fixture
 def food101(tmp_path):
     images, texts = tmp_path / "images", tmp_path / "texts"

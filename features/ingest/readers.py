@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import posixpath
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -35,9 +36,55 @@ class PrepareConfig(Section):
 def _read_text(path: Path) -> str:
     """Read a text file as UTF-8; undecodable bytes survive as surrogates to be reported."""
     try:
-        return path.read_bytes().decode("utf-8", errors="surrogateescape")
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            return f.read()  # decoded a buffer at a time: the bytes are never held whole
     except OSError as err:
         raise IngestError(f"{path}: cannot read annotations ({err.strerror or err})") from err
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def _scan_object(text: str, streamed: str, each: Callable[[object], None]) -> dict | None:
+    """The members of the JSON object that ``text`` holds, except ``streamed``: the items
+    of that member's list are decoded one at a time and handed to ``each``, never held
+    together (a whole parsed ``dataset_coco.json`` takes about five times its size; the
+    text itself, once). None when the top level is not an object or ``streamed`` is not a
+    list in it. Malformed JSON raises :class:`json.JSONDecodeError`, as ``json.loads``."""
+    decode = json.JSONDecoder().raw_decode
+
+    def expect(pos: int, *chars: str) -> int:
+        """The position after one of ``chars`` at ``pos`` (after whitespace)."""
+        pos = _SPACE.match(text, pos).end()
+        if text[pos : pos + 1] not in chars:
+            raise json.JSONDecodeError(f"Expecting {' or '.join(map(repr, chars))}", text, pos)
+        return pos + 1
+
+    pos = _SPACE.match(text).end()
+    if not text.startswith("{", pos):
+        decode(text, pos)  # malformed, or a value that is not an object
+        return None
+    members, found = {}, False
+    pos = _SPACE.match(text, pos + 1).end()
+    if text.startswith("}", pos):
+        pos += 1
+    while text[pos - 1] != "}":
+        key, pos = decode(text, expect(pos, '"') - 1)
+        pos = _SPACE.match(text, expect(pos, ":")).end()
+        if key == streamed and text.startswith("[", pos):
+            found, pos = True, _SPACE.match(text, pos + 1).end()
+            if text.startswith("]", pos):
+                pos += 1
+            while text[pos - 1] != "]":
+                item, pos = decode(text, _SPACE.match(text, pos).end())
+                each(item)
+                pos = expect(pos, ",", "]")
+        else:
+            members[key], pos = decode(text, pos)
+        pos = expect(pos, ",", "}")
+    if _SPACE.match(text, pos).end() != len(text):
+        raise json.JSONDecodeError("Extra data", text, pos)
+    return members if found else None
 
 
 def read_karpathy(
@@ -45,12 +92,18 @@ def read_karpathy(
 ) -> Dataset:
     """Karpathy split JSON, plus the optional ``label``/``boxes``/``box_names``/
     ``box_attributes`` of datasets with boxes; the demo's (``demo``) box attributes are
-    each of its ``objects``' colour and size."""
+    each of its ``objects``' colour and size. The images are read one at a time
+    (:func:`_scan_object`), so the memory is the text and the records."""
+    records: list[Record] = []
+
+    def add(image: object) -> None:
+        records.append(_karpathy_record(len(records), image, cfg, demo))
+
     try:
-        data = json.loads(_read_text(annotations))
+        data = _scan_object(_read_text(annotations), "images", add)
     except json.JSONDecodeError as err:
         raise IngestError(f"{annotations}: not valid JSON ({err})") from err
-    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+    if data is None:
         raise IngestError(
             f"{annotations}: no top-level 'images' list; expected the Karpathy split JSON "
             "layout of dataset_flickr30k.json / dataset_coco.json"
@@ -64,43 +117,40 @@ def read_karpathy(
             f"{annotations}: 'class_names' must be a list of strings, got "
             f"{type(class_names).__name__}; fix or remove it"
         )
-    records = []
-    for i, image in enumerate(data["images"]):
-        filename = image.get("filename") if isinstance(image, dict) else None
-        if not isinstance(filename, str) or not filename:
-            records.append(Record(f"<images[{i}]>", "", "", problem="no 'filename'"))
-            continue
-        sentences = image.get("sentences", [])
-        if not isinstance(sentences, list) or not all(isinstance(s, dict) for s in sentences):
-            records.append(Record(Path(filename).stem, filename, "", problem="bad 'sentences'"))
-            continue
-        filepath = image.get("filepath") or ""
-        if not isinstance(filepath, str):
-            records.append(Record(Path(filename).stem, filename, "", problem="bad 'filepath'"))
-            continue
-        split = str(image.get("split", ""))
-        if split == "restval" and cfg.restval == "train":
-            split = "train"
-        attributes = image.get("box_attributes")
-        if demo and attributes is None and isinstance(image.get("objects"), list):
-            attributes = [
-                [o.get("color"), o.get("size")] if isinstance(o, dict) else None
-                for o in image["objects"]
-            ]
-        records.append(
-            Record(
-                key=Path(filename).stem,
-                path=posixpath.join(filepath, filename),
-                split=split,
-                captions=[s.get("raw", "") for s in sentences],
-                label=image.get("label"),
-                boxes=image.get("boxes"),
-                box_names=image.get("box_names"),
-                box_attributes=attributes,
-            )
-        )
     name = str(data.get("dataset", "karpathy"))
     return Dataset(name if is_utf8(name) else "karpathy", records, class_names)
+
+
+def _karpathy_record(i: int, image: object, cfg: PrepareConfig, demo: bool) -> Record:
+    """The record of ``images[i]`` of a Karpathy split JSON (see :func:`read_karpathy`)."""
+    filename = image.get("filename") if isinstance(image, dict) else None
+    if not isinstance(filename, str) or not filename:
+        return Record(f"<images[{i}]>", "", "", problem="no 'filename'")
+    sentences = image.get("sentences", [])
+    if not isinstance(sentences, list) or not all(isinstance(s, dict) for s in sentences):
+        return Record(Path(filename).stem, filename, "", problem="bad 'sentences'")
+    filepath = image.get("filepath") or ""
+    if not isinstance(filepath, str):
+        return Record(Path(filename).stem, filename, "", problem="bad 'filepath'")
+    split = str(image.get("split", ""))
+    if split == "restval" and cfg.restval == "train":
+        split = "train"
+    attributes = image.get("box_attributes")
+    if demo and attributes is None and isinstance(image.get("objects"), list):
+        attributes = [
+            [o.get("color"), o.get("size")] if isinstance(o, dict) else None
+            for o in image["objects"]
+        ]
+    return Record(
+        key=Path(filename).stem,
+        path=posixpath.join(filepath, filename),
+        split=split,
+        captions=[s.get("raw", "") for s in sentences],
+        label=image.get("label"),
+        boxes=image.get("boxes"),
+        box_names=image.get("box_names"),
+        box_attributes=attributes,
+    )
 
 
 def held_out(key: str, fraction: float, seed: int) -> bool:
