@@ -153,7 +153,9 @@ def extract_images(
     """Fill the store at ``store_path`` with the extractor's features for every manifest
     image (resuming a partial store), or only ``shards`` of a store a coordinator created
     (:func:`image_store_writer`); returns the per-phase timing."""
-    rows = manifest.table.to_pylist()
+    # what an extractor's prepare reads of a row: the key, the path and (regions) the given
+    # boxes; not the captions, which every loader worker would copy as it touched them
+    rows = manifest.table.select(["key", "path", "boxes"]).to_pylist()
     timing = Timing()
     start_all = time.perf_counter()
     writer = image_store_writer(extractor, manifest, store_path, cfg, store_cfg, log, shards)

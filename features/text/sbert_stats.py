@@ -61,7 +61,7 @@ def caption_statistics(
     cfg: SbertConfig,
 ) -> dict:
     """Metrics per split, a histogram per split, and the extreme images."""
-    rows = manifest.table.to_pylist()
+    rows = manifest.table.select(["key", "split", "captions"]).to_pylist()
     embeddings = embed([c for r in rows for c in r["captions"]])
     pairs = pairwise_similarities(embeddings, [len(r["captions"]) for r in rows])
     edges = np.linspace(-1.0, 1.0, cfg.bins + 1)
