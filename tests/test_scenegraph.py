@@ -16,7 +16,7 @@ from features.demo import DemoConfig, generate_image
 from features.ingest.manifest import Manifest
 from features.scenegraph.builder import SceneGraph
 from features.scenegraph.factual import prf
-from features.scenegraph.files import GRAPHS, NEGATIVES, write_scene_graphs
+from features.scenegraph.files import GRAPHS, NEGATIVES, schema, write_scene_graphs
 from features.scenegraph.learned import caption_text
 from features.scenegraph.lexicon import normalise_case, verb_lemma
 from features.scenegraph.parser import Parser
@@ -723,7 +723,7 @@ def test_negative_vocab_counts_train_only():
         {"objects": [{"lemma": "dog"}], "attributes": [], "relations": [{"lemma": "on"}]},
         {"objects": [{"lemma": "cat"}], "attributes": [], "relations": []},
     ]
-    vocab = negative_vocab(rows, ["train", "test", "train"])
+    vocab = negative_vocab(pa.Table.from_pylist(rows, schema=schema()), ["train", "test", "train"])
     assert vocab == {"nouns": {"cat": 2}, "adjectives": {"black": 1}, "relations": {}}
 
 
@@ -935,9 +935,10 @@ def test_stage_outputs_are_deterministic_and_atomic(english, tmp_path):
     outputs = []
     for run in ("a", "b"):
         result = extract_scene_graphs(manifest, nlp, ScenegraphConfig(batch_size=7))
-        assert len(result.rows) == 60 and result.rows[0]["key"] == "im000#0"
-        assert {"key", "caption", "objects", "attributes", "relations"} == set(result.rows[0])
-        write_scene_graphs(tmp_path / run / "sg", result.rows, result.vocab)
+        rows = result.graphs.to_pylist()
+        assert len(rows) == 60 and rows[0]["key"] == "im000#0"
+        assert {"key", "caption", "objects", "attributes", "relations"} == set(rows[0])
+        write_scene_graphs(tmp_path / run / "sg", result.graphs, result.vocab)
         write_json(tmp_path / run / "sg.json", result.summary)
         assert sorted(p.name for p in (tmp_path / run / "sg").iterdir()) == [GRAPHS, NEGATIVES]
         outputs.append(result)
@@ -948,7 +949,7 @@ def test_stage_outputs_are_deterministic_and_atomic(english, tmp_path):
     assert not any("per_s" in k or "seconds" in k for k in json.dumps(summary).split('"'))
     assert timings["captions"] == 60 and timings["captions_per_s"] > 0
     # the vocabularies count train captions only (images 1-3 of each 4; image 0 is test)
-    train_rows = [r for r in outputs[0].rows if int(r["key"][2:5]) % 4]
+    train_rows = [r for r in outputs[0].graphs.to_pylist() if int(r["key"][2:5]) % 4]
     assert sum(outputs[0].vocab["nouns"].values()) == sum(len(r["objects"]) for r in train_rows)
 
 
@@ -971,7 +972,7 @@ def test_worker_processes_give_the_same_rows(english):
     manifest = manifest_of(captions[:20])
     one = extract_scene_graphs(manifest, nlp, ScenegraphConfig(batch_size=4))
     two = extract_scene_graphs(manifest, nlp, ScenegraphConfig(batch_size=4, n_process=2))
-    assert one.rows == two.rows and one.summary == two.summary
+    assert one.graphs.equals(two.graphs) and one.summary == two.summary
 
 
 # FACTUAL's conventions the rules follow (issue 28, round 4): a shade and its colour are one

@@ -42,14 +42,16 @@ def schema():
     )
 
 
-def write_scene_graphs(folder: str | Path, rows: list[dict], negatives: dict) -> None:
-    """Write the folder atomically: it appears whole or not at all; the same rows give the
-    same bytes."""
+def write_scene_graphs(folder: str | Path, graphs, negatives: dict) -> None:
+    """Write the folder atomically: it appears whole or not at all; the same graphs (an
+    Arrow table of :func:`schema`, or its rows as dicts) give the same bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if not isinstance(graphs, pa.Table):
+        graphs = pa.Table.from_pylist(graphs, schema=schema())
     with atomic_path(folder, directory=True) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), tmp / GRAPHS)
+        pq.write_table(graphs.combine_chunks(), tmp / GRAPHS)  # one chunk: the same bytes
         write_json(tmp / NEGATIVES, negatives, indent=1)
 
 

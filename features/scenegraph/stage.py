@@ -4,15 +4,19 @@ caption of the manifest (conventions: docs/explanation/language.md)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field
 
+from features.scenegraph.files import schema
 from features.scenegraph.learned import caption_text
 from features.scenegraph.parser import Parser
 from infra.config import Section, UserError
@@ -106,22 +110,33 @@ def parse_captions(
     """One row per caption: key, caption and its scene graph (surface forms and lemmas),
     and the seconds spent in the rules and the edge model (the rest is spaCy); ``edges``:
     the learned edge model's mode (:class:`ScenegraphConfig`)."""
-    parser = Parser.for_pipeline(nlp, edges)
     rows, rules = [], 0.0
+    for row, seconds in _parsed(nlp, keys, texts, batch_size, progress, n_process, edges):
+        rows.append(row)
+        rules += seconds
+    return rows, rules
+
+
+def _parsed(nlp, keys, texts, batch_size, progress, n_process, edges) -> Iterator[tuple]:
+    """(row, seconds in the rules) per caption, in order, from one spaCy pipe over all
+    (see :func:`parse_captions`)."""
+    parser = Parser.for_pipeline(nlp, edges)
     docs = nlp.pipe(map(caption_text, texts), batch_size=batch_size, n_process=n_process)
     for key, text, doc in zip(keys, texts, progress(docs) if progress else docs, strict=True):
         start = time.perf_counter()
         graph = parser(doc)
-        rules += time.perf_counter() - start
-        rows.append({"key": key, "caption": text, **graph.to_json()})
-    return rows, rules
+        seconds = time.perf_counter() - start
+        yield {"key": key, "caption": text, **graph.to_json()}, seconds
 
 
 class ScenegraphResult(NamedTuple):
-    rows: list[dict]  # key, caption, objects, attributes, relations
+    graphs: pa.Table  # key, caption, objects, attributes, relations (files.schema)
     vocab: dict  # UniVSE negative-sampling vocabularies (train split)
     summary: dict  # deterministic counts, for the DVC metrics file
     timings: dict  # throughput; never part of a tracked output
+
+
+BLOCK = 4096  # captions held as Python rows at a time, before they become Arrow columns
 
 
 def extract_scene_graphs(
@@ -130,49 +145,56 @@ def extract_scene_graphs(
     """The ``scenegraph`` stage's core: every caption of ``manifest`` (a
     :class:`features.ingest.Manifest`) parsed into a scene graph, the negative vocabularies
     of the train split, a summary of counts (same inputs -> same summary), and the timings
-    (captions/s of the whole stage and the seconds spent in the rules) kept apart."""
+    (captions/s of the whole stage and the seconds spent in the rules) kept apart. The
+    graphs are packed into Arrow a block of captions at a time: as Python rows, a caption's
+    graph takes a few KB (GBs for COCO's 616,767 captions)."""
     keys, texts, splits = manifest.caption_rows()
     start = time.perf_counter()
-    rows, rules = parse_captions(
-        nlp, keys, texts, cfg.batch_size, progress, cfg.n_process, cfg.edges
-    )
+    parsed = _parsed(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process, cfg.edges)
+    batches, rules = [], 0.0
+    while block := list(itertools.islice(parsed, BLOCK)):
+        rules += sum(seconds for _, seconds in block)
+        batches.append(pa.RecordBatch.from_pylist([row for row, _ in block], schema=schema()))
     seconds = time.perf_counter() - start
-    vocab = negative_vocab(rows, splits)
+    graphs = pa.Table.from_batches(batches, schema=schema())
+    vocab = negative_vocab(graphs, splits)
     return ScenegraphResult(
-        rows,
+        graphs,
         vocab,
-        summarise(rows, vocab),
+        summarise(graphs, vocab),
         {
-            "captions": len(rows),
+            "captions": graphs.num_rows,
             "seconds": round(seconds, 3),
-            "captions_per_s": round(len(rows) / max(seconds, 1e-9), 1),
+            "captions_per_s": round(graphs.num_rows / max(seconds, 1e-9), 1),
             "rules_seconds": round(rules, 3),
         },
     )
 
 
-def summarise(rows: list[dict], vocab: dict) -> dict:
+def summarise(graphs: pa.Table, vocab: dict) -> dict:
     """Counts and per-caption averages only (no timings: DVC hashes this file)."""
-    n = len(rows)
-    totals = {k: sum(len(r[k]) for r in rows) for k in ("objects", "attributes", "relations")}
+    n = graphs.num_rows
+    lengths = {k: pc.list_value_length(graphs[k]) for k in ("objects", "attributes", "relations")}
+    totals = {k: pc.sum(v).as_py() or 0 for k, v in lengths.items()}
     return {
         "captions": n,
         "version": SCENEGRAPH_VERSION,
         "total": totals,
         "per_caption": {k: round(v / max(n, 1), 3) for k, v in totals.items()},
-        "captions_without_objects": sum(not r["objects"] for r in rows),
-        "captions_without_relations": sum(not r["relations"] for r in rows),
+        "captions_without_objects": pc.sum(pc.equal(lengths["objects"], 0)).as_py() or 0,
+        "captions_without_relations": pc.sum(pc.equal(lengths["relations"], 0)).as_py() or 0,
         "negative_vocab": {k: len(v) for k, v in vocab.items()},
     }
 
 
-def negative_vocab(rows: list[dict], splits: list[str]) -> dict[str, dict[str, int]]:
+def negative_vocab(graphs: pa.Table, splits: list[str]) -> dict[str, dict[str, int]]:
     """UniVSE's negative-sampling vocabularies from train captions: object nouns,
     attributes and relations (lemmas) with their counts, most frequent first."""
     fields = {"nouns": "objects", "adjectives": "attributes", "relations": "relations"}
-    counts = {k: Counter() for k in fields}
-    for row, split in zip(rows, splits, strict=True):
-        if split == "train":
-            for k, field in fields.items():
-                counts[k].update(x["lemma"] for x in row[field])
-    return {k: dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) for k, c in counts.items()}
+    train = graphs.filter(pa.array([split == "train" for split in splits], pa.bool_()))
+    out = {}
+    for k, field in fields.items():
+        lemmas = pc.struct_field(pc.list_flatten(train[field]), "lemma")
+        counts = Counter(lemmas.to_pylist())
+        out[k] = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return out

@@ -43,7 +43,7 @@ def run(args, params) -> None:
     total = sum(len(c) for c in manifest.table["captions"].to_pylist())
     bar = progress("scenegraph", unit="caption")
     result = extract_scene_graphs(manifest, nlp, cfg, progress=lambda docs: bar(docs, total=total))
-    write_scene_graphs(args.out, result.rows, result.vocab)
+    write_scene_graphs(args.out, result.graphs, result.vocab)
     write_json(args.metrics, {**result.summary, "model": model})
     counts, speed = result.summary["per_caption"], result.timings
     print(
