@@ -151,12 +151,12 @@ def extract_scene_graphs(
     keys, texts, splits = manifest.caption_rows()
     start = time.perf_counter()
     parsed = _parsed(nlp, keys, texts, cfg.batch_size, progress, cfg.n_process, cfg.edges)
-    batches, rules = [], 0.0
+    layout, batches, rules = schema(), [], 0.0
     while block := list(itertools.islice(parsed, BLOCK)):
         rules += sum(seconds for _, seconds in block)
-        batches.append(pa.RecordBatch.from_pylist([row for row, _ in block], schema=schema()))
+        batches.append(pa.RecordBatch.from_pylist([row for row, _ in block], schema=layout))
     seconds = time.perf_counter() - start
-    graphs = pa.Table.from_batches(batches, schema=schema())
+    graphs = pa.Table.from_batches(batches, schema=layout)
     vocab = negative_vocab(graphs, splits)
     return ScenegraphResult(
         graphs,
