@@ -52,6 +52,16 @@ Run (one DAG at a time; the temp folder is removed afterwards unless ``--keep``)
     python benchmarks/scale.py --images 5000 [--out benchmarks/results/scale/5000.json] [--s3]
     python benchmarks/scale.py --plot benchmarks/results/scale/*.json \\
         --out-plot benchmarks/results/scale/scale.png
+
+A run longer than one sitting (40,000 images take about four hours on 2 cores) goes in a
+folder of its own with ``--work DIR``: each stage's figures are written to
+``DIR/stages.json`` as it finishes, and the same command run again skips the stages already
+measured and goes on from the first that is not (a stage cut off midway runs again, whole).
+Each stage's figures name the commit and the CPU it ran on. If the repository has moved on
+since, the project's code is refreshed from it first (its ``params.yaml``, ``dvc.lock``
+and the stages' outputs kept), so the stages still to run use the new code; a stage already
+measured is not measured again, and a stage whose code changed is rerun by DVC when it
+comes. The folder is kept.
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from filelock import FileLock, Timeout
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "scale"
@@ -237,43 +248,98 @@ def machine() -> dict:
 # -- one run ---------------------------------------------------------------------------
 
 
-def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None) -> dict:
+def refresh_code(root: Path, outs: list[str]) -> list[str]:
+    """The repository's files copied over ``root``'s, except its ``params.yaml``,
+    ``dvc.lock`` and the stages' ``outs`` (what a resumed run has made so far); the files
+    that changed."""
+    from conftest import copy_project
+
+    fresh = copy_project(REPO, Path(tempfile.mkdtemp(prefix="vse-scale-code-")))
+    kept = {"params.yaml", "dvc.lock", ".git"}
+    changed = []
+    for folder, dirs, names in os.walk(fresh):
+        rel_folder = Path(folder).relative_to(fresh)
+        dirs[:] = [d for d in dirs if str(rel_folder / d) not in kept]
+        for name in names:
+            rel = rel_folder / name
+            if str(rel) in kept or any(rel.is_relative_to(o) for o in outs):
+                continue
+            dest = root / rel
+            if not dest.is_file() or dest.read_bytes() != (fresh / rel).read_bytes():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(fresh / rel, dest)
+                changed.append(str(rel))
+    shutil.rmtree(fresh)
+    return changed
+
+
+def run_dag(
+    n_images: int,
+    with_s3: bool,
+    keep: bool,
+    epochs: int | None = None,
+    work: Path | None = None,
+) -> dict:
     sys.path[:0] = [str(REPO / "tests")]
     from conftest import copy_project  # also sets the offline/no-analytics environment
 
-    work = Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
-    copied = {  # what the project was copied from (the repository may move on during a run)
+    commit = {  # what the project was copied from (the repository may move on during a run)
         "git_commit": git(REPO, "rev-parse", "HEAD"),
         "git_dirty": bool(git(REPO, "status", "--porcelain", "--untracked-files=no")),
     }
-    root = copy_project(REPO, work / "project")
+    keep = keep or work is not None
+    work = work or Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:  # held until this process ends: a resumed run finds no other at work in the folder
+        FileLock(work / "run.lock").acquire(timeout=0)
+    except Timeout:
+        raise SystemExit(f"{work}: another scale run is working in this folder") from None
+    root, logs, progress = work / "project", work / "logs", work / "stages.json"
     text, changed = scaled_params(n_images, epochs)
-    (root / "params.yaml").write_text(text)
     hashes = work / "site-cache"  # DVC's hash database, here so it can be removed
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
         "DVC_NO_ANALYTICS": "1",
     }
-    logs = work / "logs"
-    logs.mkdir()
-    subprocess.run(
-        ["dvc", "config", "--local", "core.site_cache_dir", str(hashes)],
-        cwd=root,
-        env=env,
-        check=True,
-    )
-    print(f"N={n_images}: project in {root}", flush=True)
+    stages = {}
+    if progress.is_file():  # a run resumed
+        stages = json.loads(progress.read_text())
+        if (root / "params.yaml").read_text() != text:
+            raise SystemExit(f"{work}: its run is of other params; give another --work folder")
+        outs = [o for _, stage_outs in stage_plan(root) for o in stage_outs]
+        refreshed = refresh_code(root, outs)
+        (root / ".dvc" / "tmp" / "rwlock").unlink(missing_ok=True)  # a killed run left it
+        print(
+            f"N={n_images}: resuming in {root}; {len(stages)} stages done, "
+            f"{len(refreshed)} files of code refreshed",
+            flush=True,
+        )
+    else:
+        shutil.rmtree(root, ignore_errors=True)  # a run cut off before its first stage ended
+        copy_project(REPO, root)
+        (root / "params.yaml").write_text(text)
+        logs.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["dvc", "config", "--local", "core.site_cache_dir", str(hashes)],
+            cwd=root,
+            env=env,
+            check=True,
+        )
+        print(f"N={n_images}: project in {root}", flush=True)
 
     started = time.perf_counter()
     plan = stage_plan(root)
-    stages = {}
     for name, outs in plan:
+        if name in stages:
+            continue
         log = logs / f"{name.replace('@', '_')}.log"
         figures = measured(["dvc", "repro", "--single-item", name], root, log, env)
         figures["out_bytes"], figures["out_files"] = size_of([root / o for o in outs])
         figures["ran"] = "didn't change" not in log.read_text()
+        figures.update(git_commit=commit["git_commit"], cpu=machine()["cpu"])
         stages[name] = figures
+        progress.write_text(json.dumps(stages, indent=2) + "\n")
         print(
             f"  {name:28} {figures['wall_s']:8.1f} s {n_images / figures['wall_s']:9.1f} images/s"
             f"  cpu {figures['cpu_s']:8.1f} s  peak {figures['peak_rss_mb']:7.0f} MB"
@@ -311,7 +377,8 @@ def run_dag(n_images: int, with_s3: bool, keep: bool, epochs: int | None = None)
         "overhead_share": round(overhead / dag_s, 4),
         "run_s": round(time.perf_counter() - started, 1),
         "machine": machine(),
-        **copied,
+        **commit,
+        "git_commits": sorted({s["git_commit"] for s in stages.values()}),
         "targets": TARGETS,
     }
     if keep:
@@ -575,6 +642,9 @@ def main(argv: list[str] | None = None) -> None:
         "--epochs", type=int, help="every training stage trains this many epochs (default: its own)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp project")
+    parser.add_argument(
+        "--work", type=Path, help="run (or resume the run) in this folder, and keep it"
+    )
     parser.add_argument("--plot", type=Path, nargs="+", help="runs' JSONs to plot")
     parser.add_argument("--out-plot", type=Path, default=RESULTS / "scale.png")
     parser.add_argument("--summary", type=Path, help="default: summary.json beside the plot")
@@ -587,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.plot:
         plot(args.plot, args.out_plot, args.summary or args.out_plot.parent / "summary.json")
     elif args.images:
-        result = run_dag(args.images, args.s3, args.keep, args.epochs)
+        result = run_dag(args.images, args.s3, args.keep, args.epochs, args.work)
         out = args.out or RESULTS / f"{args.images}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
