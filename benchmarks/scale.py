@@ -290,8 +290,9 @@ def run_dag(
     keep = keep or work is not None
     work = work or Path(tempfile.mkdtemp(prefix=f"vse-scale-{n_images}-"))
     work.mkdir(parents=True, exist_ok=True)
-    try:  # held until this process ends: a resumed run finds no other at work in the folder
-        FileLock(work / "run.lock").acquire(timeout=0)
+    held = FileLock(work / "run.lock")  # released when the run ends (or its process does)
+    try:  # so a resumed run finds no other at work in the folder
+        held.acquire(timeout=0)
     except Timeout:
         raise SystemExit(f"{work}: another scale run is working in this folder") from None
     root, logs, progress = work / "project", work / "logs", work / "stages.json"
