@@ -42,9 +42,9 @@ import yaml
 
 from features.images.graph_rise import graph as G
 from features.images.graph_rise.labels import (
+    ImageLabels,
     WeightedLabels,
     idf_weights,
-    image_labels,
     label_vocabulary,
     multi_hot,
 )
@@ -221,16 +221,14 @@ class DemoSplits:
         return [k for i in rows for k in self.caption_keys[self.starts[i] : self.starts[i + 1]]]
 
     def __call__(self, name: str) -> Split:
-        from features.scenegraph.files import read_graphs
+        from features.scenegraph.files import read_graph_table
 
         rows = np.flatnonzero(self.split == name)  # (n,) manifest rows of the split
-        graphs = read_graphs(self.scenegraphs, self._captions(rows))
-        ends = np.cumsum(self.counts[rows])  # each image's captions: graphs[end - count : end]
-        starts = ends - self.counts[rows]
-        per_image = [image_labels(graphs[a:b]) for a, b in zip(starts, ends, strict=True)]
+        graphs = read_graph_table(self.scenegraphs, self._captions(rows))
+        images = ImageLabels.of_graphs(graphs, self.counts[rows])
         graph = None
         if name == "train":  # as the stage: vocabulary and graph over every train image
-            self.vocabulary = label_vocabulary(per_image, self.cfg.min_images)
+            self.vocabulary = label_vocabulary(images, self.cfg.min_images)
             hidden = self.text.fields["document"].shape[-1] // 4
             cap = caption_vectors(self.text, self._captions(rows), hidden)
             src, dst, weight = G.knn_graph(
@@ -244,7 +242,7 @@ class DemoSplits:
             raise RuntimeError("load the train split first: it fixes the label vocabulary")
         ok = self.valid[rows]
         keep = rows[ok]  # (N,) the split's valid images
-        targets = multi_hot([p for p, v in zip(per_image, ok, strict=True) if v], self.vocabulary)
+        targets = multi_hot(images[np.flatnonzero(ok)], self.vocabulary)
         pooled = self.global_.gather("features", keep).astype(np.float32)  # (N, D)
         regions = self.regions
         return Split(

@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from features.images.graph_rise import graph as G
 from features.images.graph_rise import model as M
-from features.images.graph_rise.labels import image_labels, label_vocabulary, multi_hot
+from features.images.graph_rise.labels import (
+    ImageLabels,
+    image_labels,
+    label_vocabulary,
+    multi_hot,
+)
 from features.images.graph_rise.stage import GraphRiseConfig
 from infra.resume import Preempted
 
@@ -43,17 +48,39 @@ def test_labels_of_a_hand_made_image():
         ("attribute", "small circle"),
         ("relation", "circle above square"),
     }
-    images = [
-        {("object", "circle"), ("attribute", "red circle")},
-        {("object", "circle"), ("object", "square")},
-        {("object", "circle"), ("attribute", "red circle"), ("relation", "a b c")},
-    ]
+    images = ImageLabels.of_sets(
+        [
+            {("object", "circle"), ("attribute", "red circle")},
+            {("object", "circle"), ("object", "square")},
+            {("object", "circle"), ("attribute", "red circle"), ("relation", "a b c")},
+        ]
+    )
     vocab = label_vocabulary(images, min_images=2)  # the floor drops square and the triple
     assert vocab == [
         {"kind": "object", "label": "circle", "images": 3},
         {"kind": "attribute", "label": "red circle", "images": 2},
     ]
     np.testing.assert_array_equal(multi_hot(images, vocab), [[1, 1], [1, 0], [1, 1]])
+
+
+def test_image_labels_of_the_graphs_table_a_block_at_a_time(monkeypatch):
+    import pyarrow as pa
+
+    from features.images.graph_rise import labels
+
+    shapes = ["circle", "square", "star"]
+    graphs = [
+        row([shapes[i % 3], shapes[(i + 1) % 3]], [(i % 2, "red")], [(0, "above", 1)] * (i % 2))
+        for i in range(7)
+    ]
+    counts = [2, 0, 1, 3, 1]  # an image without captions has no labels
+    table = pa.Table.from_pylist([{"key": f"c{i}", **g} for i, g in enumerate(graphs)])
+    monkeypatch.setattr(labels, "BLOCK", 2)  # blocks of images end inside the table
+    images = ImageLabels.of_graphs(table, counts)
+    starts = np.cumsum([0, *counts])
+    expected = [image_labels(graphs[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    assert [{images.labels[i] for i in ids} for ids in images.ids] == expected
+    assert len(images[[0, 3]]) == 2 and images[[3]].ids[0] is images.ids[3]
 
 
 def test_idf_weights_and_weighted_targets_by_hand():
@@ -96,6 +123,36 @@ def test_knn_graph_matches_brute_force():
     mean = caps[2:].mean(0)
     np.testing.assert_allclose(v[2], mean / np.linalg.norm(mean), rtol=1e-5)
     np.testing.assert_array_equal(v[1], 0)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1024])
+def test_top_k_with_many_ties_equals_a_stable_sort(monkeypatch, block):
+    # a small integer grid: most similarities tie, at the k-th place too (integers, so that
+    # every product is exact in float32 whatever the matrix shape BLAS is given)
+    x = np.random.default_rng(1).integers(-1, 2, (60, 3)).astype(np.float32)
+    monkeypatch.setattr(G, "BLOCK", block)
+    for same, k in [(True, 6), (False, 6), (True, 59), (False, 60)]:
+        idx, sim = G.top_k(x, x, k, same)
+        s = x @ x.T
+        if same:
+            np.fill_diagonal(s, -np.inf)
+        order = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(idx, order)
+        np.testing.assert_array_equal(sim, np.take_along_axis(s, order, 1))
+
+
+def test_label_comparisons_in_blocks_equal_one_block(monkeypatch):
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((50, 4)).astype(np.float32)
+    labels = (rng.random((50, 9)) < 0.3).astype(np.uint8)
+    src, dst, w = G.knn_graph(vectors / np.linalg.norm(vectors, axis=1, keepdims=True), 4)
+
+    def both():
+        return G.label_precision(vectors, labels, 4), G.graph_statistics(src, dst, w, labels, 50)
+
+    whole = both()
+    monkeypatch.setattr(G, "VALUES", 20)  # a query or two edges a block
+    assert both() == whole
 
 
 def test_label_precision_by_hand():

@@ -38,15 +38,15 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 from features.images.graph_rise import graph as G
 from features.images.graph_rise.labels import (
     KINDS,
+    ImageLabels,
     WeightedLabels,
     idf_weights,
-    image_labels,
     label_vocabulary,
     multi_hot,
 )
 from features.images.graph_rise.model import ItemSets
 from features.ingest.manifest import Manifest
-from features.scenegraph.files import read_graphs
+from features.scenegraph.files import read_graph_table
 from features.store.reader import Store
 from features.store.spec import FieldSpec, Provenance, StoreConfig
 from features.store.writer import StoreWriter
@@ -56,7 +56,7 @@ from infra.files import save_torch, sha256_file, write_json
 
 VERSION = "1"
 HEAD = "head.pt"
-BLOCK = 65536  # captions read at a time
+BLOCK = 8192  # captions read at a time: 8,192 x 4H floats of `document` is 100 MB at H = 768
 
 
 class GraphRiseConfig(Section):
@@ -154,6 +154,7 @@ def train_graph_rise(
 ) -> dict:
     """The stage (see the module docstring); returns its metrics."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import torch
 
@@ -163,11 +164,10 @@ def train_graph_rise(
     table = manifest.table
     keys = table["key"].to_pylist()
     split = np.asarray(table["split"].to_pylist())
-    counts = [len(c) for c in table["captions"].to_pylist()]
+    counts = pc.list_value_length(table["captions"]).to_numpy().astype(np.int64)  # (N,)
     caption_keys, captions, _ = manifest.caption_rows()
-    graphs = read_graphs(scenegraphs, caption_keys)
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-    per_image = [image_labels(graphs[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    images = ImageLabels.of_graphs(read_graph_table(scenegraphs, caption_keys), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
     train = np.flatnonzero(split == "train")
     test = np.flatnonzero(split == "test")
     if len(train) < 2 or len(test) < 2:
@@ -175,14 +175,14 @@ def train_graph_rise(
             f"manifest: {len(train)} train and {len(test)} test images; "
             "graph_rise needs at least 2 of each"
         )
-    vocabulary = label_vocabulary([per_image[i] for i in train], cfg.min_images)
+    vocabulary = label_vocabulary(images[train], cfg.min_images)
     if not vocabulary:
         raise GraphRiseError(
             f"graph_rise.min_images {cfg.min_images}: no scene-graph label reaches it on "
             f"{len(train)} train images; lower it"
         )
     write_json(labels_path, vocabulary, indent=1)
-    targets = multi_hot(per_image, vocabulary)  # (N, L)
+    targets = multi_hot(images, vocabulary)  # (N, L)
 
     # the graph over the train images
     train_captions = [k for i in train for k in caption_keys[starts[i] : starts[i + 1]]]
@@ -195,7 +195,7 @@ def train_graph_rise(
         text = Store.open(text_path, manifest_digest=manifest.digest)
         hidden = text.fields["document"].shape[-1] // 4
         cap = caption_vectors(text, train_captions, hidden)
-    vectors = G.image_vectors(cap, [counts[i] for i in train])  # (Ntr, Dt)
+    vectors = G.image_vectors(cap, counts[train])  # (Ntr, Dt)
     src, dst, weight = G.knn_graph(vectors, cfg.neighbours)
     stats = G.graph_statistics(src, dst, weight, targets[train], len(train))
     train_keys = np.asarray(keys)[train]
