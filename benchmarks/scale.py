@@ -60,8 +60,9 @@ measured and goes on from the first that is not (a stage cut off midway runs aga
 Each stage's figures name the commit and the CPU it ran on. If the repository has moved on
 since, the project's code is refreshed from it first (its ``params.yaml``, ``dvc.lock``
 and the stages' outputs kept), so the stages still to run use the new code; a stage already
-measured is not measured again, and a stage whose code changed is rerun by DVC when it
-comes. The folder is kept.
+measured is not measured again (unless named in ``--again STAGE...``, which runs it by
+force: to measure again a stage that shared the machine), and a stage whose code changed
+is rerun by DVC when it comes. The folder is kept.
 """
 
 from __future__ import annotations
@@ -279,6 +280,7 @@ def run_dag(
     keep: bool,
     epochs: int | None = None,
     work: Path | None = None,
+    again: tuple[str, ...] = (),
 ) -> dict:
     sys.path[:0] = [str(REPO / "tests")]
     from conftest import copy_project  # also sets the offline/no-analytics environment
@@ -305,7 +307,7 @@ def run_dag(
     }
     stages = {}
     if progress.is_file():  # a run resumed
-        stages = json.loads(progress.read_text())
+        stages = {k: v for k, v in json.loads(progress.read_text()).items() if k not in again}
         if (root / "params.yaml").read_text() != text:
             raise SystemExit(f"{work}: its run is of other params; give another --work folder")
         outs = [o for _, stage_outs in stage_plan(root) for o in stage_outs]
@@ -335,7 +337,8 @@ def run_dag(
         if name in stages:
             continue
         log = logs / f"{name.replace('@', '_')}.log"
-        figures = measured(["dvc", "repro", "--single-item", name], root, log, env)
+        force = ["--force"] if name in again else []
+        figures = measured(["dvc", "repro", "--single-item", *force, name], root, log, env)
         figures["out_bytes"], figures["out_files"] = size_of([root / o for o in outs])
         figures["ran"] = "didn't change" not in log.read_text()
         figures.update(git_commit=commit["git_commit"], cpu=machine()["cpu"])
@@ -646,6 +649,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--work", type=Path, help="run (or resume the run) in this folder, and keep it"
     )
+    parser.add_argument(
+        "--again",
+        nargs="+",
+        default=(),
+        metavar="STAGE",
+        help="with --work: measure these stages again (run by force), e.g. after a busy spell",
+    )
     parser.add_argument("--plot", type=Path, nargs="+", help="runs' JSONs to plot")
     parser.add_argument("--out-plot", type=Path, default=RESULTS / "scale.png")
     parser.add_argument("--summary", type=Path, help="default: summary.json beside the plot")
@@ -658,7 +668,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.plot:
         plot(args.plot, args.out_plot, args.summary or args.out_plot.parent / "summary.json")
     elif args.images:
-        result = run_dag(args.images, args.s3, args.keep, args.epochs, args.work)
+        result = run_dag(args.images, args.s3, args.keep, args.epochs, args.work, tuple(args.again))
         out = args.out or RESULTS / f"{args.images}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
