@@ -343,6 +343,7 @@ def run_dag(
         figures["ran"] = "didn't change" not in log.read_text()
         figures.update(git_commit=commit["git_commit"], cpu=machine()["cpu"])
         stages[name] = figures
+        stages = {n: stages[n] for n, _ in plan if n in stages}  # in the DAG's order
         progress.write_text(json.dumps(stages, indent=2) + "\n")
         print(
             f"  {name:28} {figures['wall_s']:8.1f} s {n_images / figures['wall_s']:9.1f} images/s"
