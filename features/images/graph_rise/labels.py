@@ -100,7 +100,7 @@ def multi_hot(images: ImageLabels, vocabulary: Sequence[dict]) -> np.ndarray:
     uint8, not float32: COCO's train images x a label vocabulary in the tens of thousands
     is gigabytes; the trainer makes floats a batch at a time)."""
     index = {(v["kind"], v["label"]): i for i, v in enumerate(vocabulary)}
-    column = np.array([index.get(label, -1) for label in images.labels] + [-1], np.int64)
+    column = np.array([index.get(label, -1) for label in images.labels], np.int64)
     out = np.zeros((len(images), len(vocabulary)), dtype=np.uint8)
     for row, ids in enumerate(images.ids):
         cols = column[ids]
