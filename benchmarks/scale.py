@@ -250,27 +250,19 @@ def machine() -> dict:
 
 
 def refresh_code(root: Path, outs: list[str]) -> list[str]:
-    """The repository's files copied over ``root``'s, except its ``params.yaml``,
-    ``dvc.lock`` and the stages' ``outs`` (what a resumed run has made so far); the files
-    that changed."""
-    from conftest import copy_project
-
-    fresh = copy_project(REPO, Path(tempfile.mkdtemp(prefix="vse-scale-code-")))
-    kept = {"params.yaml", "dvc.lock", ".git"}
+    """The repository's files (those :func:`copy_project` copies) copied over ``root``'s
+    where they differ, except its ``params.yaml``, ``dvc.lock`` and the stages' ``outs``
+    (what a resumed run has made so far); the files that changed."""
+    files = git(REPO, "ls-files", "--cached", "--others", "--exclude-standard").splitlines()
     changed = []
-    for folder, dirs, names in os.walk(fresh):
-        rel_folder = Path(folder).relative_to(fresh)
-        dirs[:] = [d for d in dirs if str(rel_folder / d) not in kept]
-        for name in names:
-            rel = rel_folder / name
-            if str(rel) in kept or any(rel.is_relative_to(o) for o in outs):
-                continue
-            dest = root / rel
-            if not dest.is_file() or dest.read_bytes() != (fresh / rel).read_bytes():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(fresh / rel, dest)
-                changed.append(str(rel))
-    shutil.rmtree(fresh)
+    for rel in files:
+        source, dest = REPO / rel, root / rel
+        if rel in ("params.yaml", "dvc.lock") or any(Path(rel).is_relative_to(o) for o in outs):
+            continue
+        if source.is_file() and (not dest.is_file() or dest.read_bytes() != source.read_bytes()):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest)
+            changed.append(rel)
     return changed
 
 

@@ -98,10 +98,5 @@ def read_graph_table(folder: str | Path, keys: list[str]):
     return table.take(positions)
 
 
-def read_graphs(folder: str | Path, keys: list[str]) -> list[dict]:
-    """The graphs (objects, attributes, relations) of the captions ``keys``, in order."""
-    return read_graph_table(folder, keys).to_pylist()
-
-
 def read_negatives(folder: str | Path) -> dict[str, dict[str, int]]:
     return json.loads(_file(folder, NEGATIVES).read_text())

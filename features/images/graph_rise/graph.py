@@ -56,7 +56,7 @@ def _largest(s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     order = np.lexsort((cols, -values, rows))  # by row, then largest value, then column
     first = np.searchsorted(rows[order], np.arange(len(s)))  # each row's first candidate
     best = order[first[:, None] + np.arange(k)]  # (b, k)
-    return cols[best].astype(np.int64), values[best]
+    return cols[best], values[best]
 
 
 def knn_graph(vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
