@@ -953,6 +953,27 @@ def test_stage_outputs_are_deterministic_and_atomic(english, tmp_path):
     assert sum(outputs[0].vocab["nouns"].values()) == sum(len(r["objects"]) for r in train_rows)
 
 
+def test_graph_rise_labels_of_parsed_real_captions(english, tmp_path, monkeypatch):
+    # Graph-RISE's labels made from the stored graphs of captions as COCO's annotators wrote
+    # them, in blocks that end inside the table, equal each image's labels made from its rows
+    from features.images.graph_rise import labels
+    from features.scenegraph.files import read_graph_table
+
+    nlp, _ = english
+    captions = [json.loads(line)["caption"] for line in (DATA / "captions_gold.jsonl").open()]
+    manifest = manifest_of(captions[:60])
+    result = extract_scene_graphs(manifest, nlp, ScenegraphConfig())
+    write_scene_graphs(tmp_path / "sg", result.graphs, result.vocab)
+    keys = manifest.caption_rows()[0]
+    table = read_graph_table(tmp_path / "sg", keys)
+    monkeypatch.setattr(labels, "BLOCK", 5)
+    images = labels.ImageLabels.of_graphs(table, [5] * 12)
+    rows = table.to_pylist()
+    expected = [labels.image_labels(rows[i : i + 5]) for i in range(0, 60, 5)]
+    assert [{images.labels[i] for i in ids} for ids in images.ids] == expected
+    assert sum(map(len, expected)) > 60  # objects, attributes and relations were found
+
+
 def test_writer_never_leaves_a_half_written_folder(tmp_path):
     folder = tmp_path / "sg"
     good = [{"key": "a#0", "caption": "a cat", "objects": [], "attributes": [], "relations": []}]
